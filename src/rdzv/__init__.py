@@ -1,0 +1,45 @@
+"""rdzv: rendezvous for elastic distributed training.
+
+The public names are re-exported here; the sub-packages show the architecture:
+``rdzv.store`` (key-value stores), ``rdzv.server`` (the embedded store server),
+``rdzv.rendezvous`` (handlers and backends), ``rdzv.cli`` (the ``rdzv`` command).
+"""
+
+from ._version import __version__
+from .errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    SessionExpiredError,
+    StoreAuthenticationError,
+    StoreConnectionError,
+    StoreError,
+    StoreProtocolError,
+    StoreTimeoutError,
+    StoreValueError,
+)
+from .store import HashStore, PrefixStore, Store, StoreCapabilities
+
+__all__ = [
+    "__version__",
+    "HashStore",
+    "PrefixStore",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+    "SessionExpiredError",
+    "Store",
+    "StoreAuthenticationError",
+    "StoreCapabilities",
+    "StoreConnectionError",
+    "StoreError",
+    "StoreProtocolError",
+    "StoreTimeoutError",
+    "StoreValueError",
+]

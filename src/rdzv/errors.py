@@ -1,0 +1,64 @@
+"""The error hierarchy of rdzv: every error the library raises derives from RendezvousError.
+
+The rendezvous errors carry torch's names (``torch.distributed.elastic.rendezvous``) so that
+code written against torch catches them unchanged. Store errors also derive from
+``RuntimeError``, as torch's ``DistStoreError`` does.
+"""
+
+from __future__ import annotations
+
+
+class RendezvousError(Exception):
+    """The root of every error rdzv raises."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The rendezvous is closed: the job has ended and no new round will form."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """A rendezvous or store operation did not complete in time. Not retryable as such."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The backend (store server, etcd, filesystem) could not be reached or was lost."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The rendezvous state is corrupt, foreign or of an unknown version."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """This node was asked to leave the job and should exit cleanly."""
+
+
+class StoreError(RendezvousError, RuntimeError):
+    """A key-value store operation failed."""
+
+
+class StoreTimeoutError(StoreError, RendezvousTimeoutError, TimeoutError):
+    """A blocking store call (get, wait, multi_get) timed out; ``keys`` names what was awaited."""
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+class StoreConnectionError(StoreError, RendezvousConnectionError, ConnectionError):
+    """The store server could not be reached, or the connection to it was lost."""
+
+
+class StoreAuthenticationError(StoreConnectionError):
+    """The store server refused this client's credentials (or their absence)."""
+
+
+class StoreProtocolError(StoreConnectionError):
+    """The peer spoke an incompatible protocol version or sent malformed data."""
+
+
+class StoreValueError(StoreError, ValueError):
+    """The request was well formed but its values are invalid (e.g. ``add`` on a non-integer)."""
+
+
+class SessionExpiredError(StoreError):
+    """This client's session (and so its ephemeral keys) expired or was revoked."""

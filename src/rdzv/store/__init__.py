@@ -1,0 +1,19 @@
+"""Key-value stores with torch.distributed.Store's API: in-process, file, TCP and prefix views."""
+
+from ._base import (
+    DEFAULT_SESSION_TTL,
+    DEFAULT_TIMEOUT,
+    Store,
+    StoreCapabilities,
+)
+from ._hash import HashStore
+from ._prefix import PrefixStore
+
+__all__ = [
+    "DEFAULT_SESSION_TTL",
+    "DEFAULT_TIMEOUT",
+    "HashStore",
+    "PrefixStore",
+    "Store",
+    "StoreCapabilities",
+]

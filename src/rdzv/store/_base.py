@@ -1,0 +1,228 @@
+"""The Store interface: torch.distributed.Store's methods plus what the rendezvous needs.
+
+Every implementation (HashStore, FileStore, TCPStore, PrefixStore, the etcd store) derives from
+:class:`Store` and passes one contract suite (``tests/store/contract.py``).
+
+Beyond torch's API a store may offer, as declared in :attr:`Store.capabilities`:
+
+* **watch** -- :meth:`Store.watch` returns as soon as a key, or any key under a directory
+  path, changes after a revision the caller already saw; blocking ``get``/``wait`` wake on the
+  write itself rather than by polling.
+* **ephemeral** -- ``set(..., ephemeral=True)`` ties a key to this client's session: it is deleted
+  when the client closes the store, when its process dies (its connection or lock goes away), or
+  when its heartbeat lapses for ``session_ttl`` seconds (a hung or cut-off client).
+* **listing** -- :meth:`Store.list_keys` and :meth:`Store.count_keys` by prefix.
+
+Paths used by ``watch`` and ``revision`` are either an exact key (``"job/round"``), a directory
+(``"job/nodes/"``, trailing slash: every key that starts with it) or ``""`` (the whole store).
+Revisions are positive integers that only grow; a path never written has revision 0.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import ClassVar, Iterable, Sequence, Union
+
+from ..errors import StoreTimeoutError
+
+Value = Union[str, bytes, bytearray, memoryview]
+Timeout = Union[float, int, timedelta, None]
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+"""torch's default store timeout, used when a store is created without one."""
+
+DEFAULT_SESSION_TTL = 15.0
+"""Seconds without a heartbeat after which a client's ephemeral keys are removed."""
+
+
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a store implementation offers beyond torch's Store API."""
+
+    watch: bool
+    """``watch`` and blocking reads are woken by the write itself (no polling)."""
+    ephemeral: bool
+    """Keys can be tied to the client's session (``set(..., ephemeral=True)``)."""
+    listing: bool
+    """``list_keys`` and ``count_keys`` work by prefix."""
+    multi_process: bool
+    """Several processes (or hosts) can share the store."""
+
+
+def to_bytes(value: Value) -> bytes:
+    """Convert a store value (str is UTF-8 encoded) to bytes."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store values must be str or bytes, not {type(value).__name__}")
+
+
+def check_key(key: str) -> str:
+    """Validate a key: a non-empty str."""
+    if not isinstance(key, str):
+        raise TypeError(f"store keys must be str, not {type(key).__name__}")
+    if not key:
+        raise ValueError("store keys must not be empty")
+    return key
+
+
+def to_seconds(timeout: Timeout, default: float) -> float:
+    """A timeout given as seconds or timedelta (None: the default) as float seconds >= 0."""
+    if timeout is None:
+        return default
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if seconds < 0:
+        raise ValueError(f"timeout must be >= 0, got {seconds}")
+    return seconds
+
+
+def timeout_error(keys: Sequence[str], seconds: float) -> StoreTimeoutError:
+    """The error raised when blocking on ``keys`` lasted ``seconds`` without success."""
+    shown = ", ".join(repr(k) for k in keys[:5]) + (" ..." if len(keys) > 5 else "")
+    return StoreTimeoutError(
+        f"timed out after {seconds:g} s waiting for key(s) {shown} to be set", tuple(keys)
+    )
+
+
+def compare_set_result(current: bytes | None, expected: bytes, desired: bytes) -> tuple[bytes, bool]:
+    """torch's compare_set rule: returns (result, whether to write ``desired``).
+
+    A missing key is written only when ``expected`` is empty; a present key only when it equals
+    ``expected``. The result is ``desired`` when written; otherwise the current value, or
+    ``expected`` itself when the key is missing (as torch's TCPStore does).
+    """
+    if current is None:
+        return (desired, True) if expected == b"" else (expected, False)
+    if current == expected:
+        return desired, True
+    return current, False
+
+
+class Store(abc.ABC):
+    """A key-value store with the API of ``torch.distributed.Store``.
+
+    Keys are ``str``; values ``str`` or ``bytes`` and always returned as ``bytes``. A store object
+    may be shared by the threads of a process.
+    """
+
+    capabilities: ClassVar[StoreCapabilities]
+
+    def __init__(self, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+        self._timeout = to_seconds(timeout, DEFAULT_TIMEOUT.total_seconds())
+
+    # -- timeouts ---------------------------------------------------------------------------
+    @property
+    def timeout(self) -> timedelta:
+        """How long blocking calls (get, multi_get, wait without a timeout) wait."""
+        return timedelta(seconds=self._timeout)
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        self._timeout = to_seconds(timeout, self._timeout)
+
+    # -- torch's Store API --------------------------------------------------------------------
+    @abc.abstractmethod
+    def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
+        """Write ``value`` under ``key``, waking every reader blocked on it."""
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting up to :attr:`timeout` for it to be set."""
+        return self._get_blocking([check_key(key)], self._timeout)[0]
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, waiting up to :attr:`timeout` for all of them."""
+        return self._get_blocking([check_key(k) for k in keys], self._timeout)
+
+    def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
+        """Block until every key in ``keys`` exists; raise StoreTimeoutError after ``timeout``."""
+        self._wait([check_key(k) for k in keys], to_seconds(timeout, self._timeout))
+
+    @abc.abstractmethod
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing counts as 0); the new value."""
+
+    @abc.abstractmethod
+    def compare_set(
+        self, key: str, expected: Value, desired: Value, *, ephemeral: bool = False
+    ) -> bytes:
+        """Write ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is empty).
+
+        Returns ``desired`` when written, else the current value (``expected`` if the key is
+        missing), exactly as torch's stores do.
+        """
+
+    @abc.abstractmethod
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key in ``keys`` exists, without waiting."""
+
+    @abc.abstractmethod
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+
+    @abc.abstractmethod
+    def num_keys(self) -> int:
+        """The number of keys in the store."""
+
+    @abc.abstractmethod
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        """Write several keys at once (atomically where the implementation can)."""
+
+    @abc.abstractmethod
+    def append(self, key: str, value: Value) -> None:
+        """Append ``value`` to the value of ``key`` (a missing key is created)."""
+
+    # -- rdzv's extensions ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def try_get(self, key: str) -> bytes | None:
+        """The value of ``key``, or None if it is missing; never waits."""
+
+    @abc.abstractmethod
+    def list_keys(self, prefix: str) -> dict[str, bytes]:
+        """Every key starting with ``prefix`` and its value (capability ``listing``)."""
+
+    @abc.abstractmethod
+    def count_keys(self, prefix: str) -> int:
+        """How many keys start with ``prefix`` (capability ``listing``)."""
+
+    @abc.abstractmethod
+    def revision(self, path: str = "") -> int:
+        """The revision of the last change to ``path`` (a key, a ``dir/`` or ``""``); 0 if none."""
+
+    @abc.abstractmethod
+    def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
+        """Wait until ``path`` changes after revision ``since``; return its new revision.
+
+        Returns at once if it already changed. On timeout (default: :attr:`timeout`) returns a
+        revision ``<= since`` instead of raising, so a caller can loop on its own deadline.
+        """
+
+    def close(self) -> None:
+        """Release the store's resources; ephemeral keys of this client are deleted."""
+
+    # -- what implementations provide ---------------------------------------------------------
+    @abc.abstractmethod
+    def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
+        """The values of ``keys`` once all exist; StoreTimeoutError after ``timeout`` seconds."""
+
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        self._get_blocking(keys, timeout)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def dir_paths(key: str) -> Iterable[str]:
+    """The paths whose watchers a change of ``key`` concerns: the key, each parent dir, ``""``."""
+    yield key
+    end = key.rfind("/", 0, len(key) - 1 if key.endswith("/") else len(key))
+    while end >= 0:
+        yield key[: end + 1]
+        end = key.rfind("/", 0, end)
+    yield ""
