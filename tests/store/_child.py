@@ -1,0 +1,102 @@
+"""A child process holding its own client of a store, driven by JSON lines on stdin.
+
+Run as ``python _child.py '<spec>'`` where spec is ``{"factory": "module:callable", "kwargs":
+{...}}`` and optionally ``"prefix": "p"`` (the client is then ``PrefixStore(p, client)``). The
+child prints ``{"ready": true}`` once its client is open, then reads one request per line,
+``{"op": "set", "args": [...], "kwargs": {...}}``, calls that method of its client and prints
+``{"result": ...}`` or ``{"error": "<exception type>", "message": "..."}``. Bytes travel as
+``{"b64": "..."}``. The extra op ``add_many(key, amount, count)`` adds ``count`` times and
+returns every result. End of input closes the client and exits.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def encode(value: Any) -> Any:
+    """A JSON-able form of a store result or argument (bytes become ``{"b64": ...}``)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"b64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: encode(v) for k, v in value.items()}
+    return value
+
+
+def decode(value: Any) -> Any:
+    """The inverse of :func:`encode`."""
+    if isinstance(value, dict):
+        if set(value) == {"b64"}:
+            return base64.b64decode(value["b64"])
+        return {k: decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    return value
+
+
+def load_factory(target: str) -> Callable[..., Any]:
+    """The callable named by ``"package.module:callable"``."""
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise ValueError(f"factory {target!r} must look like 'package.module:callable'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def open_client(spec: dict[str, Any]) -> Any:
+    """The client that ``spec`` describes."""
+    client = load_factory(spec["factory"])(**spec.get("kwargs", {}))
+    if spec.get("prefix"):
+        from rdzv.store import PrefixStore
+
+        client = PrefixStore(spec["prefix"], client)
+    return client
+
+
+def add_many(client: Any, key: str, amount: int, count: int) -> list[int]:
+    return [client.add(key, amount) for _ in range(count)]
+
+
+def serve(client: Any) -> None:
+    """Answer requests from stdin until it closes."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        op, args, kwargs = request["op"], decode(request.get("args", [])), request.get("kwargs", {})
+        try:
+            if op == "add_many":
+                result = add_many(client, *args)
+            else:
+                result = getattr(client, op)(*args, **decode(kwargs))
+            reply = {"result": encode(result)}
+        except Exception as exc:  # reported to the parent, which asserts on it
+            reply = {"error": type(exc).__name__, "message": str(exc)}
+        print(json.dumps(reply), flush=True)
+
+
+def main() -> None:
+    sys.path.insert(0, REPO_ROOT)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    client = open_client(json.loads(sys.argv[1]))
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        serve(client)
+    finally:
+        client.close()
+        underlying = getattr(client, "underlying_store", None)
+        if underlying is not None:
+            underlying.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""The Store contract: what every Store implementation must do, with torch's semantics.
+
+Subclass :class:`StoreContract` in a ``test_*.py`` module of ``tests/store`` (import it with
+``from contract import StoreContract``) and give the subclass a fixture ``store_factory`` that
+yields an object with:
+
+* ``new_client() -> Store``: a new client of one shared store, fresh and empty for each test
+  (the first call opens "the" store); the factory closes every client at teardown;
+* ``child_spec() -> dict | None``: ``{"factory": "package.module:callable", "kwargs": {...}}``
+  with which ``_child.py`` opens its own client of that store in another process, or None for
+  in-process stores (then "other process" tests use a thread with ``new_client()``);
+* optionally ``session_ttl: float``: the heartbeat time-to-live of the child's clients (small,
+  e.g. 2 s), which enables the test that a SIGSTOPped child's ephemeral keys expire.
+
+Tests of a capability the store does not declare are skipped, naming the capability.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from _peers import PeerError, ProcessPeer, ThreadPeer
+
+from rdzv.errors import StoreTimeoutError, StoreValueError
+from rdzv.store import PrefixStore, Store, StoreCapabilities
+
+CLIENT_TIMEOUT = 30.0
+"""The timeout of the test's clients: long enough for a loaded machine, short enough to fail."""
+SHORT = 0.2
+"""Seconds for calls that are expected to time out."""
+EXPIRY_BOUND = 45.0
+"""Seconds within which a dead or hung client's ephemeral keys must disappear."""
+
+
+def eventually(condition: Callable[[], bool], within: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    delay = 0.01
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {within:g} s: {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
+
+
+def owner(store: Store) -> Store:
+    """The client that owns ``store``'s session: a PrefixStore view is owned by its base."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def later(seconds: float, action: Callable[[], Any]) -> threading.Thread:
+    """Run ``action`` in a thread after ``seconds``; join the returned thread."""
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    thread.start()
+    return thread
+
+
+class StoreContract:
+    """The contract tests; pytest collects them through ``Test*`` subclasses only."""
+
+    # -- fixtures ---------------------------------------------------------------------------
+    @pytest.fixture
+    def store(self, store_factory: Any) -> Store:
+        client = store_factory.new_client()
+        client.set_timeout(CLIENT_TIMEOUT)
+        return client
+
+    @pytest.fixture
+    def client(self, store_factory: Any, store: Store) -> Store:
+        """A second client of the same store."""
+        other = store_factory.new_client()
+        other.set_timeout(CLIENT_TIMEOUT)
+        return other
+
+    @pytest.fixture
+    def spawn(self, store_factory: Any, store: Store) -> Iterator[Callable[[], Any]]:
+        """Start peers: child processes, or threads for in-process stores."""
+        peers: list[Any] = []
+
+        def start() -> Any:
+            spec = store_factory.child_spec()
+            if spec is None:
+                other = store_factory.new_client()
+                other.set_timeout(CLIENT_TIMEOUT)
+                peers.append(ThreadPeer(other))
+            else:
+                peers.append(ProcessPeer(spec))
+            return peers[-1]
+
+        yield start
+        for peer in peers:
+            peer.close()
+
+    @pytest.fixture
+    def child(self, store_factory: Any, spawn: Callable[[], Any]) -> ProcessPeer:
+        """A peer in another process (skipped for in-process stores)."""
+        if store_factory.child_spec() is None:
+            pytest.skip("capability multi_process: the store lives inside one process")
+        peer = spawn()
+        peer.wait_ready()
+        return peer
+
+    @staticmethod
+    def require(store: Store, capability: str) -> None:
+        if not getattr(store.capabilities, capability):
+            pytest.skip(f"capability {capability}: not declared by {type(store).__name__}")
+
+    # -- capabilities, lifecycle ----------------------------------------------------------
+    def test_capabilities_are_declared(self, store: Store) -> None:
+        assert isinstance(store.capabilities, StoreCapabilities)
+
+    def test_close_twice_and_context_manager(self, store_factory: Any) -> None:
+        client = store_factory.new_client()
+        with client as entered:
+            assert entered is client
+        client.close()
+
+    # -- set / get --------------------------------------------------------------------------
+    def test_set_get_str_and_bytes_return_bytes(self, store: Store) -> None:
+        store.set("s", "text é")
+        store.set("b", b"\x00\xff binary")
+        store.set("ba", bytearray(b"array"))
+        assert store.get("s") == "text é".encode()
+        assert store.get("b") == b"\x00\xff binary"
+        assert store.get("ba") == b"array"
+        assert isinstance(store.get("s"), bytes)
+
+    def test_set_overwrites_and_empty_value(self, store: Store) -> None:
+        store.set("k", "one")
+        store.set("k", "two")
+        assert store.get("k") == b"two"
+        store.set("empty", b"")
+        assert store.get("empty") == b""
+        assert store.check(["empty"])
+
+    def test_large_value_and_odd_keys(self, store: Store) -> None:
+        big = bytes(range(256)) * 4096
+        store.set("big", big)
+        assert store.get("big") == big
+        for key in ("ünï/cödé", "a b\tc", "/leading", "trailing/", "x" * 1000):
+            store.set(key, key)
+            assert store.get(key) == key.encode()
+
+    def test_value_visible_to_other_client(self, store: Store, client: Store) -> None:
+        store.set("k", "v")
+        assert client.get("k") == b"v"
+
+    def test_get_woken_by_other_client(self, store: Store, client: Store) -> None:
+        writer = later(SHORT, lambda: client.set("late", "value"))
+        assert store.get("late") == b"value"
+        writer.join(10)
+
+    def test_get_woken_by_other_process(self, store: Store, spawn: Callable[[], Any]) -> None:
+        peer = spawn()
+        peer.wait_ready()
+        peer.request("get", "from-parent")
+        time.sleep(SHORT)
+        store.set("from-parent", b"hello")
+        assert peer.reply() == b"hello"
+        writer = later(SHORT, lambda: peer.call("set", "from-peer", "hi"))
+        assert store.get("from-peer") == b"hi"
+        writer.join(30)
+
+    def test_get_timeout_names_the_key(self, store: Store) -> None:
+        store.set_timeout(SHORT)
+        with pytest.raises(StoreTimeoutError, match="missing-key") as info:
+            store.get("missing-key")
+        (awaited,) = info.value.keys  # a PrefixStore names the key with its prefix
+        assert awaited.endswith("missing-key")
+        assert isinstance(info.value, TimeoutError)
+
+    def test_set_timeout_and_timeout(self, store: Store) -> None:
+        store.set_timeout(timedelta(seconds=12))
+        assert store.timeout == timedelta(seconds=12)
+        store.set_timeout(1.5)
+        assert store.timeout == timedelta(seconds=1.5)
+        with pytest.raises(ValueError):
+            store.set_timeout(-1)
+
+    # -- add --------------------------------------------------------------------------------
+    def test_add(self, store: Store) -> None:
+        assert store.add("counter", 5) == 5
+        assert store.add("counter", -7) == -2
+        assert store.add("counter", 0) == -2
+        assert store.get("counter") == b"-2"
+        store.set("preset", "40")
+        assert store.add("preset", 2) == 42
+        assert store.add("huge", 2**62) == 2**62
+
+    def test_add_to_non_integer_fails_and_keeps_value(self, store: Store) -> None:
+        store.set("text", "not a number")
+        with pytest.raises(StoreValueError, match="text"):
+            store.add("text", 1)
+        assert store.get("text") == b"not a number"
+        assert store.add("ok", 1) == 1
+
+    def test_concurrent_add_from_many_peers(self, store: Store, spawn: Callable[[], Any]) -> None:
+        peers, adds = [spawn() for _ in range(8)], 50
+        for peer in peers:
+            peer.wait_ready()
+        for peer in peers:
+            peer.request("add_many", "shared", 1, adds)
+        results = [value for peer in peers for value in peer.reply()]
+        assert sorted(results) == list(range(1, 8 * adds + 1))
+        assert store.get("shared") == str(8 * adds).encode()
+
+    # -- compare_set ------------------------------------------------------------------------
+    def test_compare_set_missing_key(self, store: Store) -> None:
+        assert store.compare_set("m", "expected", "desired") == b"expected"
+        assert store.try_get("m") is None
+        assert store.compare_set("m", "", "first") == b"first"
+        assert store.get("m") == b"first"
+
+    def test_compare_set_present_key(self, store: Store) -> None:
+        store.set("p", "old")
+        assert store.compare_set("p", "old", "new") == b"new"
+        assert store.get("p") == b"new"
+        assert store.compare_set("p", "old", "newer") == b"new"
+        assert store.compare_set("p", "", "newer") == b"new"
+        assert store.get("p") == b"new"
+        store.set("e", b"")
+        assert store.compare_set("e", b"", b"filled") == b"filled"
+
+    def test_compare_set_one_winner(self, store: Store, spawn: Callable[[], Any]) -> None:
+        peers = [spawn() for _ in range(4)]
+        for peer in peers:
+            peer.wait_ready()
+        for number, peer in enumerate(peers):
+            peer.request("compare_set", "leader", "", f"peer{number}")
+        results = [peer.reply() for peer in peers]
+        winner = store.get("leader")
+        assert all(result == winner for result in results)
+        assert winner in {f"peer{n}".encode() for n in range(4)}
+
+    # -- wait / check -----------------------------------------------------------------------
+    def test_wait(self, store: Store, client: Store) -> None:
+        store.set("a", "1")
+        store.wait(["a"])
+        store.wait(["a"], timedelta(seconds=5))
+        writer = later(SHORT, lambda: client.set("b", "2"))
+        store.wait(["a", "b"], 30)
+        writer.join(10)
+
+    def test_wait_timeout(self, store: Store) -> None:
+        store.set("present", "1")
+        with pytest.raises(StoreTimeoutError, match="absent"):
+            store.wait(["present", "absent"], SHORT)
+        with pytest.raises(StoreTimeoutError, match="absent"):
+            store.wait(["absent"], timedelta(seconds=SHORT))
+        store.set_timeout(SHORT)
+        with pytest.raises(StoreTimeoutError, match="absent"):
+            store.wait(["absent"])
+
+    def test_check(self, store: Store) -> None:
+        assert store.check([])
+        assert not store.check(["x"])
+        store.set("x", "1")
+        assert store.check(["x"])
+        assert not store.check(["x", "y"])
+
+    # -- delete_key / num_keys --------------------------------------------------------------
+    def test_delete_key(self, store: Store, client: Store) -> None:
+        store.set("gone", "v")
+        assert store.delete_key("gone") is True
+        assert store.delete_key("gone") is False
+        assert client.try_get("gone") is None
+        assert not client.check(["gone"])
+
+    def test_num_keys(self, store: Store) -> None:
+        before = store.num_keys()
+        store.multi_set(["n1", "n2", "n3"], ["a", "b", "c"])
+        store.set("n1", "again")
+        assert store.num_keys() == before + 3
+        store.delete_key("n2")
+        assert store.num_keys() == before + 2
+
+    # -- multi_get / multi_set / append / try_get --------------------------------------------
+    def test_multi_set_multi_get(self, store: Store) -> None:
+        store.multi_set(["k1", "k2", "k3"], ["v1", b"v2", "v3"])
+        assert store.multi_get(["k3", "k1", "k2"]) == [b"v3", b"v1", b"v2"]
+        assert store.multi_get([]) == []
+        with pytest.raises(ValueError):
+            store.multi_set(["a", "b"], ["only one"])
+
+    def test_multi_get_blocks_until_all_set(self, store: Store, client: Store) -> None:
+        store.set("first", "1")
+        writer = later(SHORT, lambda: client.set("second", "2"))
+        assert store.multi_get(["first", "second"]) == [b"1", b"2"]
+        writer.join(10)
+        store.set_timeout(SHORT)
+        with pytest.raises(StoreTimeoutError, match="third"):
+            store.multi_get(["first", "third"])
+
+    def test_append(self, store: Store) -> None:
+        store.append("log", "a")
+        store.append("log", b"b")
+        store.append("log", "c")
+        assert store.get("log") == b"abc"
+
+    def test_try_get(self, store: Store) -> None:
+        assert store.try_get("nothing") is None
+        store.set("something", b"")
+        assert store.try_get("something") == b""
+
+    # -- listing ----------------------------------------------------------------------------
+    def test_list_and_count_keys(self, store: Store) -> None:
+        self.require(store, "listing")
+        for key in ("a/x", "a/y", "a/b/z", "ab", "b"):
+            store.set(key, key.upper())
+        assert store.list_keys("a/") == {"a/x": b"A/X", "a/y": b"A/Y", "a/b/z": b"A/B/Z"}
+        assert store.list_keys("a/b/") == {"a/b/z": b"A/B/Z"}
+        assert set(store.list_keys("a")) == {"a/x", "a/y", "a/b/z", "ab"}
+        assert store.list_keys("zzz") == {}
+        assert store.count_keys("a/") == 3
+        assert store.count_keys("a") == 4
+        assert store.count_keys("c/") == 0
+        assert {"a/x", "ab", "b"} <= set(store.list_keys(""))
+        store.delete_key("a/x")
+        assert store.count_keys("a/") == 2
+        assert set(store.list_keys("a/")) == {"a/y", "a/b/z"}
+
+    # -- revision / watch -------------------------------------------------------------------
+    def test_revisions_grow_per_path(self, store: Store) -> None:
+        assert store.revision("never/written") == 0
+        store.set("r/k", "1")
+        first = store.revision("r/k")
+        assert first > 0
+        store.set("r/k", "2")
+        second = store.revision("r/k")
+        assert second > first
+        assert store.revision("r/") >= second
+        assert store.revision("") >= second
+        assert store.revision("r/other") == 0
+
+    def test_watch_returns_at_once_if_changed(self, store: Store) -> None:
+        store.set("w", "1")
+        since = store.revision("w")
+        store.set("w", "2")
+        assert store.watch("w", since, 30) > since
+        assert store.watch("w", 0, 30) > 0
+
+    def test_watch_timeout_returns_old_revision(self, store: Store) -> None:
+        store.set("quiet", "1")
+        since = store.revision("quiet")
+        assert store.watch("quiet", since, SHORT) <= since
+        assert store.watch("never", 0, SHORT) == 0
+        store.set_timeout(SHORT)
+        assert store.watch("quiet", since) <= since
+
+    def test_watch_woken_by_other_client(self, store: Store, client: Store) -> None:
+        since = store.revision("job/round")
+        writer = later(SHORT, lambda: client.set("job/round", "1"))
+        assert store.watch("job/round", since, 30) > since
+        writer.join(10)
+
+    def test_watch_woken_by_other_process(self, store: Store, spawn: Callable[[], Any]) -> None:
+        peer = spawn()
+        peer.wait_ready()
+        since = store.revision("nodes/")
+        writer = later(SHORT, lambda: peer.call("set", "nodes/n1", "up"))
+        assert store.watch("nodes/", since, 30) > since
+        writer.join(30)
+
+    def test_watch_dir_sees_keys_under_it_and_deletes(self, store: Store, client: Store) -> None:
+        store.set("d/sub/x", "1")
+        since = store.revision("d/")
+        writer = later(SHORT, lambda: client.delete_key("d/sub/x"))
+        changed = store.watch("d/", since, 30)
+        writer.join(10)
+        assert changed > since
+        assert store.revision("d/") >= changed
+        assert store.watch("d/", changed, SHORT) <= changed
+        store.set("other", "1")
+        assert store.watch("d/", changed, SHORT) <= changed
+
+    # -- ephemeral keys ---------------------------------------------------------------------
+    def test_ephemeral_keys_go_when_client_closes(self, store: Store, store_factory: Any) -> None:
+        self.require(store, "ephemeral")
+        writer = store_factory.new_client()
+        writer.set("eph/set", "1", ephemeral=True)
+        writer.compare_set("eph/cas", "", "2", ephemeral=True)
+        writer.set("eph/kept", "3")
+        assert store.check(["eph/set", "eph/cas"])
+        since = store.revision("eph/")
+        owner(writer).close()
+        gone = lambda: not store.check(["eph/set"]) and not store.check(["eph/cas"])  # noqa: E731
+        eventually(gone, EXPIRY_BOUND, "ephemeral keys deleted")
+        assert store.try_get("eph/kept") == b"3"
+        assert store.revision("eph/") > since
+
+    def test_overwrite_by_other_client_keeps_key(self, store: Store, store_factory: Any) -> None:
+        self.require(store, "ephemeral")
+        writer = store_factory.new_client()
+        writer.set("claimed", "mine", ephemeral=True)
+        store.set("claimed", "yours")
+        owner(writer).close()
+        time.sleep(SHORT)
+        assert store.try_get("claimed") == b"yours"
+
+    def test_ephemeral_keys_of_killed_process_vanish(self, store: Store, child: ProcessPeer) -> None:
+        self.require(store, "ephemeral")
+        child.call("set", "alive/killed", "1", ephemeral=True)
+        child.call("set", "durable", "2")
+        assert store.get("alive/killed") == b"1"
+        child.kill()
+        eventually(lambda: store.try_get("alive/killed") is None, EXPIRY_BOUND, "key of killed child")
+        assert store.get("durable") == b"2"
+
+    def test_ephemeral_keys_of_stopped_process_expire(
+        self, store: Store, store_factory: Any, child: ProcessPeer
+    ) -> None:
+        self.require(store, "ephemeral")
+        ttl = getattr(store_factory, "session_ttl", None)
+        if ttl is None:
+            pytest.skip("the factory sets no short session_ttl for its child clients")
+        child.call("set", "alive/stopped", "1", ephemeral=True)
+        assert store.get("alive/stopped") == b"1"
+        child.stop()
+        bound = 3 * ttl + EXPIRY_BOUND
+        eventually(lambda: store.try_get("alive/stopped") is None, bound, "key of stopped child")
+
+    # -- PrefixStore ------------------------------------------------------------------------
+    def test_prefix_store_isolates_keys(self, store: Store) -> None:
+        job_a, job_b = PrefixStore("jobA", store), PrefixStore("jobB", store)
+        job_a.set("k", "a")
+        job_b.set("k", "b")
+        assert job_a.get("k") == b"a"
+        assert job_b.get("k") == b"b"
+        assert store.get("jobA/k") == b"a"
+        assert job_a.add("n", 3) == 3
+        assert job_b.try_get("n") is None
+        assert job_a.compare_set("k", "a", "a2") == b"a2"
+        assert job_a.delete_key("k") and job_b.check(["k"])
+        job_b.set_timeout(SHORT)
+        with pytest.raises(StoreTimeoutError):
+            job_b.get("n")
+
+    def test_prefix_store_listing_and_watch(self, store: Store) -> None:
+        self.require(store, "listing")
+        view = PrefixStore("pfx", store)
+        store.set("outside", "x")
+        view.multi_set(["d/1", "d/2"], ["1", "2"])
+        assert view.list_keys("d/") == {"d/1": b"1", "d/2": b"2"}
+        assert view.count_keys("") == 2
+        assert view.num_keys() == 2
+        since = view.revision("")
+        store.set("outside", "y")
+        assert view.watch("", since, SHORT) <= since
+        view.append("d/1", "1")
+        assert view.watch("", since, 30) > since
+
+    # -- bad input --------------------------------------------------------------------------
+    @pytest.mark.parametrize("key", [1, None, b"bytes-key"])
+    def test_non_str_key_is_type_error(self, store: Store, key: Any) -> None:
+        with pytest.raises(TypeError):
+            store.set(key, "v")
+        with pytest.raises(TypeError):
+            store.try_get(key)
+
+    def test_empty_key_is_value_error(self, store: Store) -> None:
+        for call in (lambda: store.set("", "v"), lambda: store.get(""), lambda: store.add("", 1)):
+            with pytest.raises(ValueError):
+                call()
+
+    @pytest.mark.parametrize("value", [1, None, 2.5, ["list"]])
+    def test_non_bytes_value_is_type_error(self, store: Store, value: Any) -> None:
+        with pytest.raises(TypeError):
+            store.set("k", value)
+        with pytest.raises(TypeError):
+            store.append("k", value)
+        store.set("k", "still works")
+        assert store.get("k") == b"still works"
+
+    def test_peer_error_reports_type(self, spawn: Callable[[], Any]) -> None:
+        peer = spawn()
+        peer.call("set", "text", "x")
+        with pytest.raises(PeerError) as info:
+            peer.call("add", "text", 1)
+        assert info.value.type_name == "StoreValueError"

@@ -1,0 +1,37 @@
+"""HashStore passes the Store contract (in-process: peers are threads with their own client)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+from contract import StoreContract
+
+from rdzv.store import HashStore, Store
+
+
+class HashStoreFactory:
+    """Clients of one fresh HashStore: the first is the store, the others its ``client()``s."""
+
+    def __init__(self) -> None:
+        self.clients: list[HashStore] = []
+
+    def new_client(self) -> Store:
+        client = self.clients[0].client() if self.clients else HashStore()
+        self.clients.append(client)
+        return client
+
+    def child_spec(self) -> None:
+        return None
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+class TestHashStore(StoreContract):
+    @pytest.fixture
+    def store_factory(self) -> Iterator[HashStoreFactory]:
+        factory = HashStoreFactory()
+        yield factory
+        factory.close()
