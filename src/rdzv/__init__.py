@@ -22,6 +22,17 @@ from .errors import (
     StoreValueError,
 )
 from .store import HashStore, PrefixStore, Store, StoreCapabilities
+from .rendezvous import (
+    RendezvousHandler,
+    RendezvousHandlerRegistry,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    get_rendezvous_handler,
+    handler_registry,
+    parse_rendezvous_url,
+    rendezvous_url,
+)
 
 __all__ = [
     "__version__",
@@ -31,6 +42,11 @@ __all__ = [
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerRegistry",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStoreInfo",
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "SessionExpiredError",
@@ -42,4 +58,8 @@ __all__ = [
     "StoreProtocolError",
     "StoreTimeoutError",
     "StoreValueError",
+    "get_rendezvous_handler",
+    "handler_registry",
+    "parse_rendezvous_url",
+    "rendezvous_url",
 ]

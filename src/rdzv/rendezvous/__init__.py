@@ -1,0 +1,50 @@
+"""Rendezvous handlers and backends, with the names of ``torch.distributed.elastic.rendezvous``.
+
+``get_rendezvous_handler("tcp://host:29400/job-42?nnodes=2:4")`` (or a
+:class:`RendezvousParameters`) creates the handler of a backend; backends are imported only
+when used. See ``docs/rendezvous.md`` for the URL forms and each backend's options.
+"""
+
+from ..errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from ._api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+from ._registry import (
+    ENTRY_POINT_GROUP,
+    RendezvousHandlerCreator,
+    RendezvousHandlerRegistry,
+    get_rendezvous_handler,
+    handler_registry,
+    parse_rendezvous_url,
+    rendezvous_url,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "get_rendezvous_handler",
+    "handler_registry",
+    "parse_rendezvous_url",
+    "rendezvous_url",
+]
