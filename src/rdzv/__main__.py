@@ -1,0 +1,7 @@
+"""``python -m rdzv``: the same as the ``rdzv`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
