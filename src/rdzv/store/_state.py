@@ -118,6 +118,15 @@ class KVState:
         """How many keys ``session`` owns."""
         return len(self._session_keys.get(session, ()))
 
+    @property
+    def last_session(self) -> int:
+        """The highest session id handed out so far (a snapshot keeps it: ids are never reused)."""
+        return self._last_session
+
+    def path_revisions(self) -> dict[str, int]:
+        """Every path ever changed and the revision of its last change (a snapshot keeps them)."""
+        return dict(self._path_revision)
+
     # -- writes ---------------------------------------------------------------------------------
     def set(self, key: str, value: bytes, session: int = 0) -> list[str]:
         self.revision += 1
@@ -200,6 +209,15 @@ class KVState:
             self._put(effect.key, effect.value, effect.session, effect.revision)
         elif effect.key in self._data:
             self._remove(effect.key, effect.revision)
+
+    def restore_revisions(
+        self, revision: int, last_session: int, path_revisions: dict[str, int]
+    ) -> None:
+        """Finish restoring a snapshot (after applying its keys and sessions): its revision,
+        last session id and path revisions, so neither revisions nor session ids go backwards."""
+        self.revision = max(self.revision, revision)
+        self._last_session = max(self._last_session, last_session)
+        self._path_revision.update(path_revisions)
 
     # -- internals ----------------------------------------------------------------------------
     def _put(self, key: str, value: bytes, session: int, revision: int) -> None:
