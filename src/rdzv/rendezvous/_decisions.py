@@ -1,0 +1,150 @@
+"""The rendezvous rules as pure functions: what a node does next, who gets which rank.
+
+Nothing here does I/O or reads a clock: the executor (``_engine.py``) observes the store, passes
+a :class:`RoundView` and its monotonic clock value, and carries out the returned :class:`Step`.
+
+Rules of a forming round r (torch's documented semantics, plus the re-rendezvous fast path):
+
+* The round is **open** once a member of round r-1 has come back (``rejoined > 0``) or round
+  r-1 has no alive member left (``expected == 0``; always true for the first round). Until then
+  newcomers wait: a running group is never split into two groups of the same run.
+* It **seals at once** when ``alive >= max_nodes``, or when every alive member of round r-1 has
+  come back and ``alive >= min_nodes`` (the expected set is known: no last call is needed).
+* Otherwise, once ``alive >= min_nodes`` the round is **armed** and seals when
+  ``last_call_timeout`` has passed on the observing node's own clock since it saw it armed.
+* Past the join deadline the node gives up (RendezvousTimeoutError).
+
+Rank rule (:func:`plan_ranks`): previous members are preferred over newcomers when there are more
+than ``max_nodes`` joiners. A previous member keeps its rank if it is below the new world size;
+the free ranks are given, lowest first, to the other previous members in the order of their old
+ranks, then to newcomers in arrival order.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping
+
+from ._layout import NodeDescriptor
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What one node observed of its forming round (all counts from O(1) store calls)."""
+
+    closed: bool
+    """The run is closed (``closed`` key or a ``closed`` round status)."""
+    sealed: bool
+    """The round has a decision."""
+    alive: int
+    """Joiners of this round whose ephemeral descriptor still exists."""
+    rejoined: int
+    """Alive joiners that were members of the previous round."""
+    expected: int
+    """Alive joiners of the previous round (members, and late ones not yet moved on)."""
+    armed: bool
+    """Someone saw the round open with ``alive >= min_nodes``."""
+
+
+@dataclass(frozen=True)
+class RoundRules:
+    """The parameters of the barrier."""
+
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+
+
+class Action(enum.Enum):
+    WAIT = "wait"
+    """Wait for a change of the round's control keys, until ``Step.wake_at`` at the latest."""
+    ARM = "arm"
+    """Mark the round armed (written once), then observe again."""
+    SEAL = "seal"
+    """Try to take the sealer lock, list the joiners and write the decision."""
+    COLLECT = "collect"
+    """The round is sealed: read this node's rank (none: it is late for this round)."""
+    CLOSED = "closed"
+    """The rendezvous is closed: raise RendezvousClosedError."""
+    TIMEOUT = "timeout"
+    """The join deadline passed: raise RendezvousTimeoutError."""
+
+
+@dataclass(frozen=True)
+class Step:
+    action: Action
+    wake_at: float = 0.0
+    armed_since: float | None = None
+    """When this node first saw the round armed (its last-call timer start), to pass back in."""
+
+
+def is_open(view: RoundView) -> bool:
+    return view.rejoined > 0 or view.expected == 0
+
+
+def decide(
+    view: RoundView, rules: RoundRules, now: float, deadline: float, armed_since: float | None
+) -> Step:
+    """The next step of a node waiting in a forming round, given its view and clock."""
+    if view.closed:
+        return Step(Action.CLOSED)
+    if view.sealed:
+        return Step(Action.COLLECT)
+    open_ = is_open(view)
+    if open_ and view.alive >= rules.max_nodes:
+        return Step(Action.SEAL, armed_since=armed_since)
+    if open_ and 0 < view.expected <= view.rejoined and view.alive >= rules.min_nodes:
+        return Step(Action.SEAL, armed_since=armed_since)
+    if now >= deadline:
+        return Step(Action.TIMEOUT)
+    if not (open_ and view.alive >= rules.min_nodes):
+        return Step(Action.WAIT, wake_at=deadline, armed_since=armed_since)
+    if not view.armed:
+        return Step(Action.ARM, armed_since=armed_since)
+    start = now if armed_since is None else armed_since
+    last_call_end = start + rules.last_call_timeout
+    if now >= last_call_end:
+        return Step(Action.SEAL, armed_since=start)
+    return Step(Action.WAIT, wake_at=min(deadline, last_call_end), armed_since=start)
+
+
+def plan_ranks(joiners: Mapping[int, NodeDescriptor], rules: RoundRules) -> dict[int, int] | None:
+    """Arrival index -> rank for the members of the round, or None if fewer than min_nodes."""
+    if len(joiners) < rules.min_nodes:
+        return None
+    previous = sorted(
+        (i for i, node in joiners.items() if node.prev_rank is not None),
+        key=lambda i: (joiners[i].prev_rank, i),
+    )
+    newcomers = sorted(i for i, node in joiners.items() if node.prev_rank is None)
+    chosen = (previous + newcomers)[: rules.max_nodes]
+    world_size = len(chosen)
+    chosen_set = set(chosen)
+    ranks: dict[int, int] = {}
+    taken: set[int] = set()
+    for index in previous:
+        rank = joiners[index].prev_rank
+        if index in chosen_set and rank is not None and rank < world_size and rank not in taken:
+            ranks[index] = rank
+            taken.add(rank)
+    free = iter(sorted(set(range(world_size)) - taken))
+    for index in chosen:
+        if index not in ranks:
+            ranks[index] = next(free)
+    return ranks
+
+
+def membership_changed(closed: bool, waiting: int, alive_members: int, world_size: int,
+                       newer_round_sealed: bool) -> bool:
+    """Whether a member of a completed round should re-rendezvous.
+
+    ``waiting`` counts the joiners of the next round (newcomers and members already coming
+    back); ``alive_members`` the alive members of the round (a lost one lowers it).
+    """
+    return (
+        closed
+        or newer_round_sealed
+        or waiting > 0
+        or alive_members < world_size
+    )

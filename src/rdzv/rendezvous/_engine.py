@@ -1,0 +1,356 @@
+"""The dynamic rendezvous handler: observes the store, applies the pure decisions, waits on changes.
+
+The rules live in ``_decisions.py`` and the key layout in ``_layout.py``; this module only does
+the I/O. A node in a forming round loops: read the round's control keys and O(1) counts, call
+:func:`decide`, carry out the step, and wait on the store's change notification of the round's
+``ctl/`` directory (``Store.watch``) until the step's wake-up time. Stores without ``watch``
+(FileStore) are waited on with their blocking ``wait`` on the round's status key, bounded by
+``poll_interval`` so the other control keys are re-read at least that often.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    StoreTimeoutError,
+)
+from ..store import PrefixStore, Store
+from ._api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from ._decisions import Action, RoundRules, RoundView, decide, membership_changed, plan_ranks
+from ._layout import (
+    CLOSED_STATUS,
+    Decision,
+    NodeDescriptor,
+    RunKeys,
+    decode_int,
+    decode_node,
+    decode_status,
+    encode_decision,
+    encode_node,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL = 0.05
+"""How often a store without ``watch`` is re-read while waiting (seconds)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This node's place in the last round it completed."""
+
+    round: int
+    index: int
+    rank: int
+    world_size: int
+    rejoined: bool
+
+
+def free_port(host: str) -> int:
+    """A port that is free on this machine now (for rank 0's bootstrap store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, 0))
+        except OSError:
+            sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class DynamicRendezvousHandler(RendezvousHandler):
+    """Rounds of nodes formed on any :class:`Store` with the ``ephemeral`` and ``listing``
+    capabilities, with O(1) store operations and wake-ups per node and round.
+
+    ``on_shutdown`` releases what the backend opened (its store client, a hosted server).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        *,
+        backend: str,
+        local_addr: str | None = None,
+        join_timeout: float = 600.0,
+        last_call_timeout: float = 30.0,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
+        caps = store.capabilities
+        if not (caps.ephemeral and caps.listing):
+            raise ValueError(
+                f"the dynamic rendezvous needs a store with ephemeral keys and listing; "
+                f"{type(store).__name__} has {caps}"
+            )
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
+        self._store = store
+        self._keys = RunKeys(run_id)
+        self._rules = RoundRules(min_nodes, max_nodes, float(last_call_timeout))
+        self._backend = backend
+        self._host = local_addr or socket.getfqdn()
+        self._join_timeout = float(join_timeout)
+        self._poll_interval = poll_interval
+        self._on_shutdown = on_shutdown
+        self._node_id = f"{self._host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._member: Membership | None = None
+        self._owned: list[str] = []
+        """Keys this node wrote for its current round (the first: its liveness for the next)."""
+        self._stale: list[str] = []
+        """Keys of the previous round still needed until the current one is sealed."""
+        self._lock = threading.Lock()
+
+    # -- RendezvousHandler ----------------------------------------------------------------------
+    def get_backend(self) -> str:
+        return self._backend
+
+    def get_run_id(self) -> str:
+        return self._keys.run_id
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    def is_closed(self) -> bool:
+        return self._store.try_get(self._keys.closed) is not None
+
+    def set_closed(self) -> None:
+        keys = self._keys
+        self._store.set(keys.closed, b"1")
+        forming = self._latest_sealed() + 1
+        for _ in range(100):  # a racing seal moves the forming round on; bounded anyway
+            current = self._store.compare_set(keys.status(forming), b"", CLOSED_STATUS)
+            if current == CLOSED_STATUS:
+                break
+            forming += 1
+        logger.info("rendezvous %s closed by %s", keys.run_id, self._node_id)
+
+    def num_nodes_waiting(self) -> int:
+        member = self._member
+        next_round = member.round + 1 if member else self._latest_sealed() + 1
+        return self._store.count_keys(self._keys.nodes(next_round))
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        with self._lock:
+            return self._next_rendezvous()
+
+    def wait_for_membership_change(self, timeout: float) -> bool:
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+        member = self._member
+        if member is None:
+            raise RendezvousError(
+                "wait_for_membership_change() needs a completed round: call next_rendezvous() first"
+            )
+        deadline = time.monotonic() + timeout
+        path = self._keys.round(member.round + 1)
+        while True:
+            since = self._store.revision(path) if self._store.capabilities.watch else 0
+            if self._membership_changed(member):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._wait_change(path, since, remaining, self._keys.status(member.round + 1))
+
+    def shutdown(self) -> bool:
+        """Leave: delete this node's liveness keys (peers see it at once), release the backend."""
+        try:
+            self._leave_round()
+            self._member = None
+            return True
+        except RendezvousError as exc:
+            logger.warning("rendezvous %s: leaving failed: %s", self._keys.run_id, exc)
+            return False
+        finally:
+            if self._on_shutdown is not None:
+                self._on_shutdown()
+
+    # -- joining ----------------------------------------------------------------------------------
+    def _next_rendezvous(self) -> RendezvousInfo:
+        deadline = time.monotonic() + self._join_timeout
+        if self.is_closed():
+            raise RendezvousClosedError(f"the rendezvous of run {self._keys.run_id!r} is closed")
+        previous = self._member
+        latest = self._latest_sealed()
+        rejoin = previous is not None and previous.round == latest
+        round_ = latest + 1
+        while True:
+            info = self._join_round(round_, previous if rejoin else None, deadline)
+            if info is not None:
+                return info
+            round_ += 1
+            rejoin = False
+
+    def _join_round(
+        self, r: int, previous: Membership | None, deadline: float
+    ) -> RendezvousInfo | None:
+        store, keys = self._store, self._keys
+        index = store.add(keys.count(r), 1) - 1
+        node = NodeDescriptor(
+            self._node_id, self._host, os.getpid(), free_port(self._host),
+            previous.rank if previous else None,
+        )
+        self._stale += self._owned
+        self._owned = [keys.expect(r + 1, index), keys.node(r, index)]
+        store.set(self._owned[0], b"1", ephemeral=True)
+        store.set(self._owned[1], encode_node(node), ephemeral=True)
+        if previous is not None:
+            self._owned.append(keys.back(r, index))
+            store.set(self._owned[-1], b"1", ephemeral=True)
+        else:
+            self._delete(self._stale)
+            self._stale = []
+        armed_since: float | None = None
+        while True:
+            since = store.revision(keys.ctl(r)) if store.capabilities.watch else 0
+            view, decision = self._observe(r)
+            now = time.monotonic()
+            step = decide(view, self._rules, now, deadline, armed_since)
+            armed_since = step.armed_since
+            if step.action is Action.CLOSED:
+                self._leave_round()
+                raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
+            if step.action is Action.TIMEOUT:
+                self._leave_round()
+                raise RendezvousTimeoutError(
+                    f"round {r} of run {keys.run_id!r} did not form within join_timeout="
+                    f"{self._join_timeout:g} s: {view.alive} node(s) alive, min_nodes="
+                    f"{self._rules.min_nodes}" + ("" if view.expected == 0 else
+                    f", {view.rejoined} of {view.expected} previous members back")
+                )
+            if step.action is Action.ARM:
+                store.compare_set(keys.armed(r), b"", b"1")
+            elif step.action is Action.SEAL:
+                if not self._try_seal(r):  # another node holds the sealer lock: wait for it
+                    self._wait_change(keys.ctl(r), since, deadline - now, keys.status(r))
+            elif step.action is Action.COLLECT:
+                assert isinstance(decision, Decision)
+                info = self._collect(r, index, decision, previous)
+                if info is None:
+                    self._leave_round()
+                return info
+            else:
+                self._wait_change(keys.ctl(r), since, step.wake_at - now, keys.status(r))
+
+    def _observe(self, r: int) -> tuple[RoundView, Decision | bool | None]:
+        store, keys = self._store, self._keys
+        status_key = keys.status(r)
+        status = decode_status(status_key, store.try_get(status_key))
+        closed = status is True or store.try_get(keys.closed) is not None
+        if status is not None or closed:
+            return RoundView(closed, status is not None, 0, 0, 0, False), status
+        view = RoundView(
+            closed=False,
+            sealed=False,
+            alive=store.count_keys(keys.nodes(r)),
+            rejoined=store.count_keys(keys.back_dir(r)),
+            expected=store.count_keys(keys.expect_dir(r)),
+            armed=store.try_get(keys.armed(r)) is not None,
+        )
+        return view, None
+
+    def _try_seal(self, r: int) -> bool:
+        """Seal round r if this node gets the sealer lock (its death frees the lock).
+
+        False if another node holds the lock.
+        """
+        store, keys = self._store, self._keys
+        me = self._node_id.encode()
+        if store.compare_set(keys.sealer(r), b"", me, ephemeral=True) != me:
+            return False
+        if store.try_get(keys.status(r)) is not None:
+            return True
+        nodes_dir = keys.nodes(r)
+        joiners = {}
+        for key, raw in store.list_keys(nodes_dir).items():
+            suffix = key[len(nodes_dir):]
+            joiners[decode_int(key, suffix.encode(), -1)] = decode_node(key, raw)
+        ranks = plan_ranks(joiners, self._rules)
+        if ranks is None:  # joiners left meanwhile: let the others re-evaluate
+            store.delete_key(keys.sealer(r))
+            return True
+        rank0 = joiners[next(i for i, rank in ranks.items() if rank == 0)]
+        decision = Decision(len(ranks), rank0.host, rank0.port)
+        names = [keys.rank(r, i) for i in ranks] + [keys.status(r), keys.sealed]
+        values = [str(rank).encode() for rank in ranks.values()]
+        store.multi_set(names, values + [encode_decision(decision), str(r).encode()])
+        logger.info("rendezvous %s round %d sealed by %s: world_size %d",
+                    keys.run_id, r, self._node_id, decision.world_size)
+        return True
+
+    def _collect(
+        self, r: int, index: int, decision: Decision, previous: Membership | None
+    ) -> RendezvousInfo | None:
+        store, keys = self._store, self._keys
+        rank_key = keys.rank(r, index)
+        raw = store.try_get(rank_key)
+        if raw is None:
+            logger.info("rendezvous %s: %s is late for round %d", keys.run_id, self._node_id, r)
+            return None
+        rank = decode_int(rank_key, raw, -1)
+        if not 0 <= rank < decision.world_size:
+            raise RendezvousStateError(
+                f"rendezvous key {rank_key!r}: rank {rank} outside 0..{decision.world_size - 1}"
+            )
+        # Only the liveness for round r+1 (expect) stays; the rest was needed to form round r.
+        self._delete(self._stale + self._owned[1:])
+        self._stale, self._owned = [], self._owned[:1]
+        if previous is not None:
+            self._delete([keys.rank(previous.round, previous.index)])
+        self._member = Membership(r, index, rank, decision.world_size, previous is not None)
+        return RendezvousInfo(
+            PrefixStore(keys.user(r), store),
+            rank,
+            decision.world_size,
+            RendezvousStoreInfo(decision.master_addr, decision.master_port),
+        )
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _latest_sealed(self) -> int:
+        return decode_int(self._keys.sealed, self._store.try_get(self._keys.sealed), -1)
+
+    def _membership_changed(self, member: Membership) -> bool:
+        store, keys = self._store, self._keys
+        next_round = member.round + 1
+        closed = store.try_get(keys.status(next_round)) is not None or self.is_closed()
+        return membership_changed(
+            closed=closed,
+            waiting=store.count_keys(keys.nodes(next_round)),
+            alive_members=store.count_keys(keys.expect_dir(next_round)),
+            world_size=member.world_size,
+            newer_round_sealed=self._latest_sealed() > member.round,
+        )
+
+    def _leave_round(self) -> None:
+        """Drop out of a forming round (late, timed out, closed, leaving): delete its keys."""
+        self._delete(self._stale + self._owned)
+        self._stale, self._owned = [], []
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self._store.delete_key(key)
+
+    def _wait_change(self, path: str, since: int, timeout: float, status_key: str) -> None:
+        """Wait until ``path`` changes after ``since`` (or ``timeout`` seconds pass)."""
+        timeout = max(0.0, timeout)
+        if self._store.capabilities.watch:
+            self._store.watch(path, since, timeout)
+            return
+        try:
+            self._store.wait([status_key], min(timeout, self._poll_interval))
+        except StoreTimeoutError:
+            pass

@@ -1,0 +1,195 @@
+"""The store key layout of a dynamic rendezvous and the versioned JSON encoding of its values.
+
+Every key of run ``<run>`` lives under ``rdzv/<run>/``; round ``r`` under ``rdzv/<run>/round/<r>/``:
+
+=============================  ======================================================================
+key                            meaning
+=============================  ======================================================================
+``closed``                     exists once the rendezvous is closed (``set_closed``)
+``sealed``                     the number of the last completed round (written with its decision)
+``round/<r>/count``            arrival counter: ``add(count, 1)`` gives each joiner its index ``i``
+``round/<r>/nodes/<i>``        EPHEMERAL descriptor of joiner ``i`` (its liveness while r forms)
+``round/<r>/back/<i>``         EPHEMERAL: joiner ``i`` was a member of round r-1 (a rejoin)
+``round/<r>/rank/<i>``         the rank of joiner ``i`` (written by the sealer, one ``multi_set``)
+``round/<r>/ctl/status``       the decision once sealed, or ``closed``; absent while forming
+``round/<r>/ctl/armed``        written once when the round may complete and min_nodes are alive
+``round/<r>/ctl/sealer``       EPHEMERAL lock of the one node that lists the joiners and seals
+``round/<r+1>/ctl/expect/<i>`` EPHEMERAL: joiner ``i`` of round r is alive (written on joining r)
+``round/<r>/user/...``         the members' own keys (``RendezvousInfo.store``)
+=============================  ======================================================================
+
+A waiting node watches only ``round/<r>/ctl/``, which changes O(1) times per round plus once per
+departure of a previous member (never once per join), so a round costs each node O(1) wake-ups.
+The counts a node needs (alive joiners, rejoined members, alive previous members, nodes waiting)
+come from ``count_keys`` and cost O(1) each.
+
+Values are JSON objects with ``"v": 1``; anything else raises RendezvousStateError naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RendezvousStateError
+
+FORMAT_VERSION = 1
+ROOT = "rdzv"
+
+
+@dataclass(frozen=True)
+class NodeDescriptor:
+    """What a joiner writes about itself: who it is and where rank 0's bootstrap store would be."""
+
+    node_id: str
+    host: str
+    pid: int
+    port: int
+    prev_rank: int | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of a round: its size and rank 0's bootstrap store address."""
+
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+class RunKeys:
+    """The key names of one run (see the module docstring)."""
+
+    def __init__(self, run_id: str) -> None:
+        if not run_id or "/" in run_id or any(ch.isspace() for ch in run_id):
+            raise ValueError(
+                f"run_id {run_id!r} must be non-empty without '/' or whitespace, e.g. 'job-42'"
+            )
+        self.run_id = run_id
+        self.base = f"{ROOT}/{run_id}/"
+        self.closed = self.base + "closed"
+        self.sealed = self.base + "sealed"
+
+    def round(self, r: int) -> str:
+        return f"{self.base}round/{r}/"
+
+    def count(self, r: int) -> str:
+        return self.round(r) + "count"
+
+    def nodes(self, r: int) -> str:
+        return self.round(r) + "nodes/"
+
+    def node(self, r: int, index: int) -> str:
+        return f"{self.nodes(r)}{index}"
+
+    def back_dir(self, r: int) -> str:
+        return self.round(r) + "back/"
+
+    def back(self, r: int, index: int) -> str:
+        return f"{self.back_dir(r)}{index}"
+
+    def rank(self, r: int, index: int) -> str:
+        return f"{self.round(r)}rank/{index}"
+
+    def ctl(self, r: int) -> str:
+        return self.round(r) + "ctl/"
+
+    def status(self, r: int) -> str:
+        return self.ctl(r) + "status"
+
+    def armed(self, r: int) -> str:
+        return self.ctl(r) + "armed"
+
+    def sealer(self, r: int) -> str:
+        return self.ctl(r) + "sealer"
+
+    def expect_dir(self, r: int) -> str:
+        return self.ctl(r) + "expect/"
+
+    def expect(self, r: int, index_in_previous: int) -> str:
+        return f"{self.expect_dir(r)}{index_in_previous}"
+
+    def user(self, r: int) -> str:
+        """The PrefixStore prefix of round ``r``'s members' own keys (no trailing slash)."""
+        return self.round(r) + "user"
+
+
+def _dump(payload: dict[str, Any]) -> bytes:
+    return json.dumps({"v": FORMAT_VERSION, **payload}, separators=(",", ":")).encode()
+
+
+def _load(key: str, raw: bytes, kind: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RendezvousStateError(
+            f"rendezvous key {key!r} does not hold rdzv JSON ({raw[:40]!r}); another program "
+            "may be using the same store and run id: choose another run_id"
+        ) from None
+    if not isinstance(data, dict) or data.get("v") != FORMAT_VERSION or data.get("t") != kind:
+        raise RendezvousStateError(
+            f"rendezvous key {key!r} holds {str(data)[:60]!r}, not a version {FORMAT_VERSION} "
+            f"'{kind}' record; nodes of another rdzv version or program share this run id"
+        )
+    return data
+
+
+def _field(key: str, data: dict[str, Any], name: str, kind: type, optional: bool = False) -> Any:
+    value = data.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise RendezvousStateError(
+            f"rendezvous key {key!r}: field {name!r} must be {kind.__name__}, got {value!r}"
+        )
+    return value
+
+
+def encode_node(node: NodeDescriptor) -> bytes:
+    return _dump({"t": "node", "id": node.node_id, "host": node.host, "pid": node.pid,
+                  "port": node.port, "prev": node.prev_rank})
+
+
+def decode_node(key: str, raw: bytes) -> NodeDescriptor:
+    data = _load(key, raw, "node")
+    return NodeDescriptor(
+        node_id=_field(key, data, "id", str),
+        host=_field(key, data, "host", str),
+        pid=_field(key, data, "pid", int),
+        port=_field(key, data, "port", int),
+        prev_rank=_field(key, data, "prev", int, optional=True),
+    )
+
+
+def encode_decision(decision: Decision) -> bytes:
+    return _dump({"t": "sealed", "world_size": decision.world_size,
+                  "addr": decision.master_addr, "port": decision.master_port})
+
+
+CLOSED_STATUS = _dump({"t": "closed"})
+
+
+def decode_status(key: str, raw: bytes | None) -> Decision | None | bool:
+    """A round's status: None (forming), a Decision (sealed) or True (closed)."""
+    if raw is None:
+        return None
+    if raw == CLOSED_STATUS:
+        return True
+    data = _load(key, raw, "sealed")
+    world_size = _field(key, data, "world_size", int)
+    if world_size < 1:
+        raise RendezvousStateError(f"rendezvous key {key!r}: world_size {world_size} < 1")
+    return Decision(world_size, _field(key, data, "addr", str), _field(key, data, "port", int))
+
+
+def decode_int(key: str, raw: bytes | None, default: int) -> int:
+    """An integer key (a counter, a rank, a round number), validated."""
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RendezvousStateError(
+            f"rendezvous key {key!r} must hold an integer, got {raw[:40]!r}"
+        ) from None
