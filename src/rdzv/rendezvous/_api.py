@@ -8,8 +8,8 @@ and :meth:`RendezvousHandler.wait_for_membership_change` (declared here, impleme
 from __future__ import annotations
 
 import abc
-import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
@@ -17,7 +17,8 @@ from typing import Any, Callable, ClassVar, Iterator
 from ..store import Store
 from ._params import FALSE_STRINGS, TRUE_STRINGS, check_config, option_value
 
-logger = logging.getLogger(__name__)
+_DEFAULT_POLL_INTERVAL = 1.0
+"""Seconds between checks in the default :meth:`RendezvousHandler.wait_for_membership_change`."""
 
 
 @dataclass(frozen=True)
@@ -150,12 +151,19 @@ class RendezvousHandler(abc.ABC):
 
         Returns True as soon as a member of this node's current round is lost (died, hung past
         its heartbeat, or left) or a node is waiting to join; False on timeout. An agent calls
-        it in a loop instead of polling :meth:`num_nodes_waiting`. Backends that can be woken
-        by the change itself override this; the default checks :meth:`num_nodes_waiting` once.
+        it in a loop instead of polling :meth:`num_nodes_waiting` itself. Backends that are
+        woken by the change itself override this; the default checks
+        :meth:`num_nodes_waiting` about once a second until the timeout.
         """
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
-        return self.num_nodes_waiting() > 0
+        deadline = time.monotonic() + timeout
+        while self.num_nodes_waiting() <= 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(_DEFAULT_POLL_INTERVAL, remaining))
+        return True
 
     @abc.abstractmethod
     def get_run_id(self) -> str:
