@@ -14,6 +14,7 @@ record cut short at the end of the file (a torn write). See ``docs/durability.md
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -514,7 +515,8 @@ class WriteAheadLog:
             os.replace(temp, path)
             _fsync_dir(self.data_dir)
         except OSError as exc:
-            temp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
             raise StoreError(f"cannot write snapshot {path}: {exc.strerror}") from exc
         self._snapshot_due = max(self._snapshot_bytes, size) + _FILE_HEADER.size
         self._remove_older_than(generation)
