@@ -277,10 +277,16 @@ def _check_host_ports(url: str, backend: str, endpoint: str) -> None:
 def _node_counts(url: str, backend: str, options: dict[str, Any]) -> tuple[int, int]:
     """Take min/max nodes out of ``options`` (nnodes, legacy names, static's world_size)."""
     for legacy, current in RENAMED_PARAMETERS.items():
-        if legacy in options and backend.startswith("etcd"):
-            if current in options:
-                raise _url_error(url, backend, f"give only one of '{legacy}' and '{current}'")
-            options[current] = options.pop(legacy)
+        if legacy not in options:
+            continue
+        if not backend.startswith("etcd"):
+            raise _url_error(
+                url, backend, f"'{legacy}' is torch's older name of '{current}' (accepted in "
+                f"etcd URLs only); use '{current}'"
+            )
+        if current in options:
+            raise _url_error(url, backend, f"give only one of '{legacy}' and '{current}'")
+        options[current] = options.pop(legacy)
     counts = {name: options.pop(name) for name in ("min_nodes", "max_nodes") if name in options}
     nnodes = options.pop("nnodes", None)
     if nnodes is not None:
