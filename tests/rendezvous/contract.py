@@ -1,0 +1,186 @@
+"""The rendezvous contract: torch's documented dynamic-rendezvous semantics, for every backend.
+
+Subclass :class:`RendezvousContract` in a ``test_*.py`` module of ``tests/rendezvous`` (import
+it with ``from contract import RendezvousContract``) and give the subclass a fixture ``cluster``
+yielding an object with:
+
+* ``node(min_nodes, max_nodes, run_id="job", **options)``: a new node (a :class:`ThreadNode`
+  or :class:`ProcessNode` of ``_nodes.py``) of one fresh store, closed at teardown;
+* ``raw_store()``: a client of that store (to plant corrupt data);
+* ``processes``: whether nodes are processes (then kill is SIGKILL and hung nodes are tested);
+* ``hung_options``: backend options giving a short heartbeat ttl (``heartbeat_interval`` x
+  ``heartbeat_misses``), or None when the backend has no heartbeat.
+
+Every wait is bounded; timing bounds are generous (a loaded 2-core machine) and only separate
+"at once" from "after a timeout that is set much longer".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+
+from _nodes import NodeError
+
+LONG = 60.0
+"""A last-call or join timeout that a test must NOT wait for."""
+AT_ONCE = 30.0
+"""Results expected "at once" must arrive within this (far below LONG)."""
+
+
+def eventually(condition: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    delay = 0.01
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {within:g} s: {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def form(nodes: list[Any], timeout: float = AT_ONCE) -> list[dict[str, Any]]:
+    """Every node calls next_rendezvous; their results in the order of ``nodes``."""
+    pending = [node.request("next") for node in nodes]
+    return [p.result(timeout) for p in pending]
+
+
+def check_round(results: list[dict[str, Any]], world_size: int) -> None:
+    assert sorted(r["rank"] for r in results) == list(range(world_size))
+    assert {r["world_size"] for r in results} == {world_size}
+    assert len({(r["addr"], r["port"]) for r in results}) == 1, "one bootstrap store per round"
+
+
+class RendezvousContract:
+    # -- barrier -------------------------------------------------------------------------------
+    def test_round_completes_at_once_when_max_nodes_join(self, cluster):
+        nodes = [cluster.node(2, 3, last_call_timeout=LONG) for _ in range(3)]
+        check_round(form(nodes), 3)
+
+    def test_min_nodes_complete_after_last_call(self, cluster):
+        nodes = [cluster.node(2, 4, last_call_timeout=1.0) for _ in range(2)]
+        started = time.monotonic()
+        check_round(form(nodes), 2)
+        assert time.monotonic() - started >= 0.9, "completed before the last call ended"
+
+    def test_join_timeout_when_min_nodes_never_join(self, cluster):
+        node = cluster.node(2, 2, join_timeout=1.0)
+        with pytest.raises(NodeError) as info:
+            node.call("next", timeout=AT_ONCE)
+        assert info.value.type_name == "RendezvousTimeoutError"
+        assert "did not form" in str(info.value)
+
+    def test_round_store_is_shared_by_members_and_scoped_to_round_and_run(self, cluster):
+        a, b = cluster.node(2, 2), cluster.node(2, 2)
+        form([a, b])
+        a.call("store_set", "greeting", "hello")
+        assert b.call("store_get", "greeting") == "hello"
+        other = [cluster.node(2, 2, run_id="other") for _ in range(2)]
+        form(other)
+        assert other[0].call("store_get", "greeting") is None, "leaked into another run"
+        form([a, b])
+        assert b.call("store_get", "greeting") is None, "leaked into the next round"
+
+    # -- exclusivity ---------------------------------------------------------------------------
+    def test_late_node_waits_and_is_admitted_when_members_rejoin(self, cluster):
+        a, b = cluster.node(2, 3, last_call_timeout=0.5), cluster.node(2, 3, last_call_timeout=0.5)
+        first = form([a, b])
+        check_round(first, 2)
+        late = cluster.node(2, 3, last_call_timeout=0.5)
+        pending = late.request("next")
+        eventually(lambda: a.call("waiting") == 1, AT_ONCE, "members see the late node")
+        assert b.call("wait_change", AT_ONCE) is True
+        time.sleep(1.0)  # well past the last call: the late node must not form a group alone
+        assert not pending.done(), "the late node formed a second group"
+        second = form([a, b])
+        third = pending.result(AT_ONCE)
+        check_round(second + [third], 3)
+        assert [r["rank"] for r in second] == [r["rank"] for r in first], "survivors keep ranks"
+        assert third["rank"] == 2
+
+    def test_wait_for_membership_change_times_out_when_nothing_changes(self, cluster):
+        a, b = cluster.node(2, 2), cluster.node(2, 2)
+        form([a, b])
+        assert a.call("wait_change", 0.3) is False
+        assert a.call("waiting") == 0
+
+    def test_runs_do_not_mix(self, cluster):
+        nodes = [cluster.node(2, 2, run_id=run) for run in ("x", "y", "x", "y")]
+        results = form(nodes)
+        check_round(results[0::2], 2)
+        check_round(results[1::2], 2)
+
+    # -- fault tolerance ------------------------------------------------------------------------
+    def test_node_dying_before_completion_is_dropped(self, cluster):
+        nodes = [cluster.node(2, 4, last_call_timeout=3.0) for _ in range(3)]
+        pending = [n.request("next") for n in nodes]
+        eventually(lambda: nodes[0].call("waiting") == 3, AT_ONCE, "three joined")
+        nodes[2].kill()
+        check_round([p.result(AT_ONCE) for p in pending[:2]], 2)
+
+    def test_member_killed_after_completion_is_noticed_and_replaced(self, cluster):
+        nodes = [cluster.node(2, 3, last_call_timeout=LONG) for _ in range(3)]
+        first = form(nodes)
+        nodes[2].kill()
+        assert nodes[0].call("wait_change", AT_ONCE) is True
+        assert nodes[1].call("wait_change", AT_ONCE) is True
+        second = form(nodes[:2])  # no last call: every alive member is back
+        check_round(second, 2)
+        kept = {r["rank"] for r in first[:2]} & {0, 1}
+        assert {r["rank"] for r in second} >= kept, "survivors with rank < 2 keep their rank"
+
+    def test_hung_node_is_dropped_after_its_heartbeat_ttl(self, cluster):
+        if not cluster.processes or cluster.hung_options is None:
+            pytest.skip("needs process nodes and a heartbeat ttl")
+        nodes = [cluster.node(2, 3, last_call_timeout=LONG, **cluster.hung_options)
+                 for _ in range(3)]
+        form(nodes)
+        nodes[2].stop()
+        try:
+            assert nodes[0].call("wait_change", AT_ONCE) is True
+            check_round(form(nodes[:2]), 2)
+        finally:
+            nodes[2].resume()
+            nodes[2].kill()
+
+    # -- closing and leaving --------------------------------------------------------------------
+    def test_set_closed_is_seen_by_members_and_waiters(self, cluster):
+        a, b = cluster.node(2, 2), cluster.node(2, 2)
+        form([a, b])
+        late = cluster.node(2, 2)
+        pending = late.request("next")
+        eventually(lambda: a.call("waiting") == 1, AT_ONCE, "the late node waits")
+        a.call("set_closed")
+        eventually(lambda: b.call("is_closed"), AT_ONCE, "b sees the close")
+        with pytest.raises(NodeError) as info:
+            pending.result(AT_ONCE)
+        assert info.value.type_name == "RendezvousClosedError"
+        with pytest.raises(NodeError) as info:
+            b.call("next")
+        assert info.value.type_name == "RendezvousClosedError"
+
+    def test_shutdown_is_seen_by_peers_at_once(self, cluster):
+        nodes = [cluster.node(2, 3, last_call_timeout=LONG) for _ in range(3)]
+        form(nodes)
+        assert nodes[2].call("shutdown") is True
+        assert nodes[0].call("wait_change", AT_ONCE) is True
+        check_round(form(nodes[:2]), 2)
+
+    def test_next_rendezvous_async_forms_in_background(self, cluster):
+        a, b = cluster.node(2, 2), cluster.node(2, 2)
+        pending = a.request("next")
+        time.sleep(0.3)
+        assert not pending.done(), "a round of one formed"
+        b_result = b.call("next")
+        check_round([pending.result(AT_ONCE), b_result], 2)
+
+    # -- bad data -------------------------------------------------------------------------------
+    def test_foreign_state_raises_state_error_naming_the_key(self, cluster):
+        store = cluster.raw_store()
+        store.set("rdzv/job/round/0/ctl/status", b"not json")
+        node = cluster.node(1, 1)
+        with pytest.raises(NodeError) as info:
+            node.call("next")
+        assert info.value.type_name == "RendezvousStateError"
+        assert "rdzv/job/round/0/ctl/status" in str(info.value)

@@ -1,0 +1,122 @@
+"""The pure rendezvous rules as tables: observed state + clock -> action (no store, no sleeping)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdzv.rendezvous._decisions import (
+    Action,
+    RoundRules,
+    RoundView,
+    decide,
+    membership_changed,
+    plan_ranks,
+)
+from rdzv.rendezvous._layout import NodeDescriptor
+
+RULES = RoundRules(min_nodes=2, max_nodes=4, last_call_timeout=10.0)
+DEADLINE = 600.0
+
+
+def view(alive=0, rejoined=0, expected=0, armed=False, sealed=False, closed=False) -> RoundView:
+    return RoundView(closed, sealed, alive, rejoined, expected, armed)
+
+
+@pytest.mark.parametrize(
+    "name, observed, now, armed_since, action, wake_at",
+    [
+        ("closed wins", view(alive=4, closed=True), 0, None, Action.CLOSED, None),
+        ("sealed: read my rank", view(sealed=True), 0, None, Action.COLLECT, None),
+        ("alone, below min: wait until the join deadline", view(alive=1), 0, None,
+         Action.WAIT, DEADLINE),
+        ("max reached: seal at once", view(alive=4), 0, None, Action.SEAL, None),
+        ("more than max: seal at once", view(alive=5), 0, None, Action.SEAL, None),
+        ("min reached, not armed: arm", view(alive=2), 0, None, Action.ARM, None),
+        ("armed now: last call timer starts", view(alive=2, armed=True), 5, None,
+         Action.WAIT, 15.0),
+        ("armed earlier: timer keeps its start", view(alive=3, armed=True), 8, 5.0,
+         Action.WAIT, 15.0),
+        ("last call over: seal", view(alive=2, armed=True), 15, 5.0, Action.SEAL, None),
+        ("fell below min after arming: wait", view(alive=1, armed=True), 20, 5.0,
+         Action.WAIT, DEADLINE),
+        ("join deadline passed", view(alive=1), DEADLINE, None, Action.TIMEOUT, None),
+        ("deadline passed but max reached: seal", view(alive=4), DEADLINE + 1, None,
+         Action.SEAL, None),
+        ("last call capped by the join deadline", view(alive=2, armed=True), 595, 594.0,
+         Action.WAIT, DEADLINE),
+        # round r+1 while members of round r still work: closed to newcomers
+        ("newcomers wait for the members", view(alive=4, expected=3), 0, None,
+         Action.WAIT, DEADLINE),
+        ("newcomers at min wait too", view(alive=2, expected=3), 0, None, Action.WAIT, DEADLINE),
+        # re-rendezvous
+        ("first member back opens the round", view(alive=3, rejoined=1, expected=3), 0, None,
+         Action.ARM, None),
+        ("all alive members back: fast path", view(alive=3, rejoined=3, expected=3), 0, None,
+         Action.SEAL, None),
+        ("all back plus a newcomer: fast path", view(alive=4, rejoined=3, expected=3), 0, None,
+         Action.SEAL, None),
+        ("all back but below min: wait", view(alive=1, rejoined=1, expected=1), 0, None,
+         Action.WAIT, DEADLINE),
+        ("previous round died out: newcomers form a round", view(alive=2, expected=0), 0, None,
+         Action.ARM, None),
+        ("one member missing: last call is the fallback", view(alive=3, rejoined=2, expected=3,
+         armed=True), 1, 0.0, Action.WAIT, 10.0),
+        ("missing member never came: seal after last call", view(alive=3, rejoined=2,
+         expected=3, armed=True), 10, 0.0, Action.SEAL, None),
+    ],
+)
+def test_decide(name, observed, now, armed_since, action, wake_at):
+    step = decide(observed, RULES, float(now), DEADLINE, armed_since)
+    assert step.action is action, name
+    if wake_at is not None:
+        assert step.wake_at == wake_at, name
+
+
+def test_armed_since_is_carried_over():
+    first = decide(view(alive=2, armed=True), RULES, 3.0, DEADLINE, None)
+    assert first.armed_since == 3.0
+    later = decide(view(alive=2, armed=True), RULES, 7.0, DEADLINE, first.armed_since)
+    assert later.armed_since == 3.0 and later.wake_at == 13.0
+
+
+def node(prev: int | None) -> NodeDescriptor:
+    return NodeDescriptor("n", "127.0.0.1", 1, 1000, prev)
+
+
+@pytest.mark.parametrize(
+    "name, joiners, rules, expected",
+    [
+        ("below min: no round", {0: node(None)}, RULES, None),
+        ("first round: arrival order", {3: node(None), 1: node(None), 2: node(None)}, RULES,
+         {1: 0, 2: 1, 3: 2}),
+        ("survivors keep their ranks, newcomer fills the hole",
+         {0: node(2), 1: node(0), 5: node(None)}, RULES, {1: 0, 0: 2, 5: 1}),
+        ("rank beyond the new size is renumbered", {0: node(0), 1: node(3)}, RULES,
+         {0: 0, 1: 1}),
+        ("over max: survivors first, newcomers dropped",
+         {0: node(None), 1: node(1), 2: node(0), 3: node(2), 4: node(3)}, RULES,
+         {2: 0, 1: 1, 3: 2, 4: 3}),
+        ("over max: earliest newcomers first",
+         {7: node(None), 2: node(None), 9: node(None), 4: node(None), 5: node(None)}, RULES,
+         {2: 0, 4: 1, 5: 2, 7: 3}),
+        ("duplicate previous rank (stale node) is renumbered", {0: node(0), 1: node(0)}, RULES,
+         {0: 0, 1: 1}),
+    ],
+)
+def test_plan_ranks(name, joiners, rules, expected):
+    assert plan_ranks(joiners, rules) == expected, name
+
+
+@pytest.mark.parametrize(
+    "closed, waiting, alive, world, newer, changed",
+    [
+        (False, 0, 4, 4, False, False),
+        (False, 1, 4, 4, False, True),
+        (False, 0, 3, 4, False, True),
+        (True, 0, 4, 4, False, True),
+        (False, 0, 4, 4, True, True),
+        (False, 0, 5, 4, False, False),  # a late joiner of the round has not moved on yet
+    ],
+)
+def test_membership_changed(closed, waiting, alive, world, newer, changed):
+    assert membership_changed(closed, waiting, alive, world, newer) is changed
