@@ -23,6 +23,12 @@ _ALIASES = {
 }
 
 
+_OPTION_NAMES = {
+    "protocol", "ssl_cert", "ssl_cert_key", "ca_cert", "user", "password",
+    "request_timeout", "retry_timeout",
+}  # fmt: skip
+
+
 def parse_endpoints(spec: Union[str, Sequence[str]], protocol: str | None = None) -> tuple[str, tuple[str, ...]]:
     """``(protocol, ("host:port", ...))`` from ``"h1:2379,https://h2"`` or a list of such strings.
 
@@ -111,10 +117,23 @@ class EtcdOptions:
 
     @classmethod
     def from_config(
-        cls, endpoints: Union[str, Sequence[str]], config: Mapping[str, Any] | None = None
+        cls,
+        endpoints: Union[str, Sequence[str]],
+        config: Mapping[str, Any] | None = None,
+        *,
+        strict: bool = False,
     ) -> "EtcdOptions":
-        """Options from an endpoint list and a config mapping (unknown keys are ignored)."""
+        """Options from an endpoint list and a config mapping.
+
+        Keys that are no etcd option are ignored (a rendezvous config holds others too), or
+        rejected with ``strict``.
+        """
         values = {_ALIASES.get(k, k): v for k, v in (config or {}).items()}
+        unknown = sorted(set(values) - _OPTION_NAMES)
+        if strict and unknown:
+            raise TypeError(
+                f"unknown etcd option(s) {', '.join(unknown)}; known: {', '.join(sorted(_OPTION_NAMES))}"
+            )
         protocol, parsed = parse_endpoints(endpoints, values.get("protocol"))
         kwargs: dict[str, Any] = {"endpoints": parsed, "protocol": protocol}
         for name in ("ssl_cert", "ssl_cert_key", "ca_cert", "user", "password"):
