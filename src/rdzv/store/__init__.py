@@ -6,12 +6,14 @@ from ._base import (
     Store,
     StoreCapabilities,
 )
+from ._etcd import EtcdStore
 from ._hash import HashStore
 from ._prefix import PrefixStore
 
 __all__ = [
     "DEFAULT_SESSION_TTL",
     "DEFAULT_TIMEOUT",
+    "EtcdStore",
     "HashStore",
     "PrefixStore",
     "Store",
