@@ -451,6 +451,53 @@ def test_sigkilled_writer_keeps_every_acknowledged_write(tmp_path: Path, spawn, 
         assert set(state.session_ttls) == set(range(1, run + 1))
 
 
+FULL_DISK_WRITER = """
+import resource, signal, sys
+from rdzv.errors import StoreError
+from rdzv.server._wal import WriteAheadLog
+wal = WriteAheadLog(sys.argv[1], fsync="never")
+state = wal.recover()
+state.effects = []
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (5000, hard))  # writes past 5000 bytes fail
+for i in range(10_000):
+    state.set(f"key/{i}", b"v" * 77)
+    wal.append(state.effects)
+    state.effects.clear()
+    try:
+        wal.flush()
+    except StoreError as exc:
+        print("error:", exc, flush=True)
+        break
+    print(i, flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+state.set("later", b"x")
+wal.append(state.effects)
+try:
+    wal.flush()
+except StoreError as exc:
+    print("refused:", exc, flush=True)
+wal.close()
+"""
+
+
+def test_failed_write_is_cut_off_and_stops_the_log(tmp_path: Path, spawn, caplog) -> None:
+    writer = spawn(FULL_DISK_WRITER, str(tmp_path))
+    out, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    acknowledged = [int(line) for line in lines if line.isdigit()]
+    errors = [line for line in lines if not line.isdigit()]
+    assert len(acknowledged) > 10 and len(errors) == 2, lines
+    assert errors[0].startswith("error: cannot write the write-ahead log") and "File too large" in errors[0]
+    assert errors[1] == "refused: " + errors[0][len("error: "):], "nothing is logged after a failure"
+    with caplog.at_level(logging.WARNING, logger="rdzv.server._wal"):
+        state = recover(tmp_path)
+    assert caplog.text == "", "the failed write was cut off cleanly"
+    assert sorted(k for k, _, _ in state.items()) == sorted(f"key/{i}" for i in acknowledged)
+
+
 # -- misuse ------------------------------------------------------------------------------------------
 def test_bad_arguments_and_misuse_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(StoreValueError, match="fsync must be one of"):
