@@ -21,7 +21,7 @@ from .errors import (
     StoreTimeoutError,
     StoreValueError,
 )
-from .store import HashStore, PrefixStore, Store, StoreCapabilities
+from .store import FileStore, HashStore, PrefixStore, Store, StoreCapabilities
 from .rendezvous import (
     RendezvousHandler,
     RendezvousHandlerRegistry,
@@ -36,6 +36,7 @@ from .rendezvous import (
 
 __all__ = [
     "__version__",
+    "FileStore",
     "HashStore",
     "PrefixStore",
     "RendezvousClosedError",

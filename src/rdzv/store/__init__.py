@@ -7,6 +7,7 @@ from ._base import (
     StoreCapabilities,
 )
 from ._etcd import EtcdStore
+from ._file import FileStore
 from ._hash import HashStore
 from ._prefix import PrefixStore
 
@@ -14,6 +15,7 @@ __all__ = [
     "DEFAULT_SESSION_TTL",
     "DEFAULT_TIMEOUT",
     "EtcdStore",
+    "FileStore",
     "HashStore",
     "PrefixStore",
     "Store",
