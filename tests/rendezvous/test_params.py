@@ -26,7 +26,7 @@ def tcp(**options: object) -> RendezvousParameters:
         (("tcp", "h:1", "job", 0, 1), "(min_nodes=0) must be greater than zero"),
         (("tcp", "h:1", "job", 3, 2), "(max_nodes=2) must be greater than or equal to the minimum"),
         (("tcp", "h:1", "job", "two", 2), "min_nodes must be an integer, got 'two'"),
-        (("tcp", "h:1", "job", 1, True), "max_nodes must be an integer, not a bool"),
+        (("tcp", "h:1", "job", 1, True), "max_nodes must be an integer, got True"),
         (("tcp", 29400, "job", 1, 1), "endpoint must be a string such as 'host:29400', not int"),
     ],
 )

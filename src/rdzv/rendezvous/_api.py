@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
 from ..store import Store
-from ._params import FALSE_STRINGS, TRUE_STRINGS, check_config, option_value
+from ._params import check_config, convert_value, option_value
 
 _DEFAULT_POLL_INTERVAL = 1.0
 """Seconds between checks in the default :meth:`RendezvousHandler.wait_for_membership_change`."""
@@ -266,19 +266,15 @@ class RendezvousParameters:
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
         """The value of option ``key`` as a bool (``1/true/yes/on``, ``0/false/no/off``)."""
         value = self.get(key, default)
-        if value is None or isinstance(value, bool):
+        if value is None:
             return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str):
-            if value.strip().lower() in TRUE_STRINGS:
-                return True
-            if value.strip().lower() in FALSE_STRINGS:
-                return False
-        raise ValueError(
-            f"The rendezvous configuration option '{key}' does not represent a valid boolean"
-            f" value: got {value!r}; use one of 1/true/yes/on or 0/false/no/off."
-        )
+        converted = convert_value(bool, value)
+        if converted is None:
+            raise ValueError(
+                f"The rendezvous configuration option '{key}' does not represent a valid boolean"
+                f" value: got {value!r}; use one of 1/true/yes/on or 0/false/no/off."
+            )
+        return converted
 
     def get_as_int(self, key: str, default: int | None = None) -> int | None:
         """The value of option ``key`` as an int."""
@@ -326,11 +322,10 @@ class RendezvousParameters:
 
 def _node_count(name: str, value: Any) -> int:
     """``min_nodes``/``max_nodes`` as an int, or a ValueError naming the parameter."""
-    if isinstance(value, bool):
-        raise ValueError(f"The rendezvous parameter {name} must be an integer, not a bool.")
     try:
-        return int(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"The rendezvous parameter {name} must be an integer, got {value!r}."
-        ) from exc
+        count = convert_value(int, value)
+    except (TypeError, ValueError):
+        count = None
+    if count is None:
+        raise ValueError(f"The rendezvous parameter {name} must be an integer, got {value!r}.")
+    return count

@@ -11,8 +11,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-TRUE_STRINGS = frozenset({"1", "true", "t", "yes", "y", "on"})
-FALSE_STRINGS = frozenset({"0", "false", "f", "no", "n", "off"})
+_TRUE_STRINGS = frozenset({"1", "true", "t", "yes", "y", "on"})
+_FALSE_STRINGS = frozenset({"0", "false", "f", "no", "n", "off"})
 
 RENAMED_PARAMETERS = {"min_workers": "min_nodes", "max_workers": "max_nodes"}
 """torch's older names of RendezvousParameters' own arguments (the etcd URLs still use them)."""
@@ -35,7 +35,7 @@ class Option:
     def convert(self, value: Any, backend: str) -> Any:
         """``value`` as this option's type, or ValueError saying what is expected."""
         try:
-            converted = _convert(self.type, value)
+            converted = convert_value(self.type, value)
         except (TypeError, ValueError):
             converted = None
         if converted is None:
@@ -70,7 +70,7 @@ class Option:
         return text
 
 
-def _convert(kind: type, value: Any) -> Any:
+def convert_value(kind: type, value: Any) -> Any:
     """``value`` as ``kind``, or None when it cannot represent one."""
     if kind is bool:
         if isinstance(value, bool):
@@ -79,7 +79,7 @@ def _convert(kind: type, value: Any) -> Any:
             return bool(value)
         if isinstance(value, str):
             text = value.strip().lower()
-            return True if text in TRUE_STRINGS else False if text in FALSE_STRINGS else None
+            return True if text in _TRUE_STRINGS else False if text in _FALSE_STRINGS else None
         return None
     if isinstance(value, bool):
         return None
@@ -169,10 +169,8 @@ BACKENDS: dict[str, BackendSpec] = {
             Option("rank", int, None, "This node's rank (default: env RANK).", minimum=0),
             Option("world_size", int, None, "The number of nodes (default: env WORLD_SIZE, "
                    "else max_nodes); min_nodes = max_nodes = world_size.", minimum=1),
-            Option("timeout", float, 600.0, "How long to wait for every node to arrive.",
-                   minimum=0),
-            Option("read_timeout", float, 60.0, "Timeout of a single store operation.",
-                   minimum=0.01),
+            Option("timeout", float, 600.0, "How long to wait for every node to arrive; also "
+                   "the store's timeout for blocking calls.", minimum=0),
         ), "Fixed rank and world size, no re-forming (torch: static). Rank 0 hosts the store "
            "at the endpoint (the master address and port).", 29400),
     )

@@ -47,10 +47,12 @@ def _reference(creator: RendezvousHandlerCreator) -> str:
 
 def _import_creator(reference: str, backend: str) -> RendezvousHandlerCreator:
     """Import ``module:attribute``; a ValueError saying the backend is unavailable if it fails."""
-    module_name, _, attribute = reference.partition(":")
+    module_name, _, attributes = reference.partition(":")
     try:
-        creator = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
+        creator = importlib.import_module(module_name.strip())
+        for attribute in attributes.strip().split("."):
+            creator = getattr(creator, attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
         raise ValueError(
             f"The rendezvous backend '{backend}' is not available: {reference} could not be "
             f"loaded ({exc}). Check that rdzv (and the backend's extra, e.g. rdzv[etcd]) is "

@@ -68,7 +68,6 @@ class StaticRendezvousHandler(RendezvousHandler):
         world_size: int,
         run_id: str,
         timeout: float = 600.0,
-        read_timeout: float = 60.0,
         store: Store | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
@@ -82,7 +81,6 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.world_size = world_size
         self.run_id = run_id
         self.timeout = timeout
-        self.read_timeout = read_timeout
         self._store = store
         self._owns_store = store is None
         self._info: RendezvousInfo | None = None
@@ -124,13 +122,15 @@ class StaticRendezvousHandler(RendezvousHandler):
         while True:
             remaining = deadline - time.monotonic()
             try:
-                self._store = TCPStore(
+                store = TCPStore(
                     self.master_addr,
                     self.master_port,
                     is_master=self.rank == 0,
-                    timeout=timedelta(seconds=max(min(self.read_timeout, remaining), 0.001)),
+                    timeout=timedelta(seconds=max(remaining, 0.001)),
                 )
-                return self._store
+                store.set_timeout(self.timeout)
+                self._store = store
+                return store
             except (StoreAuthenticationError, StoreProtocolError):
                 raise
             except (StoreConnectionError, OSError) as exc:
@@ -230,7 +230,6 @@ def create_handler(params: RendezvousParameters) -> StaticRendezvousHandler:
         world_size,
         params.run_id,
         timeout=params.get_option("timeout"),
-        read_timeout=params.get_option("read_timeout"),
     )
 
 
