@@ -153,10 +153,12 @@ class RendezvousHandlerRegistry:
 
         found: dict[str, str] = {}
         for entry_point in entry_points(group=self._entry_point_group):
-            if entry_point.name in found or entry_point.name in BUILTIN_BACKENDS:
+            if entry_point.name in self._entries:
+                continue  # registered here already (built-in, explicit, or this entry point)
+            if entry_point.name in found:
                 logger.warning(
-                    "ignoring entry point %s = %s: backend name already taken",
-                    entry_point.name, entry_point.value,
+                    "ignoring entry point %s = %s: another package already offers backend %r",
+                    entry_point.name, entry_point.value, entry_point.name,
                 )
                 continue
             found[entry_point.name] = entry_point.value
