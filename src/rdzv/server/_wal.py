@@ -84,9 +84,9 @@ def _lock_dir(data_dir: Path) -> int:
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    written = os.write(fd, data)
+    while written < len(data):
+        written += os.write(fd, memoryview(data)[written:])
 
 
 class WriteAheadLog:
@@ -220,7 +220,8 @@ class WriteAheadLog:
         """Write the buffered records; with ``fsync="always"`` they are on disk when this returns."""
         if not self._pending:
             return
-        self._check_writable()
+        if self._log_fd is None or self._failure is not None:
+            self._check_writable()
         data = b"".join(self._pending)
         self._pending = []
         try:
