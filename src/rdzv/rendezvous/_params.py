@@ -122,11 +122,9 @@ _ROUND_OPTIONS = (
            "stays open for more nodes before it completes.", minimum=0),
     Option("close_timeout", float, 30.0, "How long set_closed() and shutdown() wait for their "
            "writes to reach the store.", minimum=0),
-    Option("heartbeat_interval", float, 5.0, "Seconds between a node's heartbeats to the store "
-           "(torch: keep_alive_interval).", minimum=0.01, aliases=("keep_alive_interval",)),
+    Option("heartbeat_interval", float, 5.0, "Seconds between a node's heartbeats to the store.", minimum=0.01, aliases=("keep_alive_interval",)),
     Option("heartbeat_misses", int, 3, "Missed heartbeats after which a hung node is dropped; "
-           "the store's session_ttl is heartbeat_interval x heartbeat_misses "
-           "(torch: keep_alive_max_attempt).", minimum=1, aliases=("keep_alive_max_attempt",)),
+           "the store's session_ttl is heartbeat_interval x heartbeat_misses.", minimum=1, aliases=("keep_alive_max_attempt",)),
     Option("read_timeout", float, 60.0, "Timeout of a single store operation.", minimum=0.01),
     Option("timeout", float, 900.0, "Accepted for torchrun, which always passes it; the "
            "dynamic backends use join_timeout.", minimum=0),
@@ -238,7 +236,7 @@ def options_markdown(backend: str) -> str:
         default = "auto" if option.default is None else f"`{option.default}`"
         doc = option.doc
         if option.aliases:
-            doc += f" Also accepted as {', '.join(f'`{a}`' for a in option.aliases)}."
+            doc += f" Also accepted as {', '.join(f'`{a}`' for a in option.aliases)} (torch)."
         lines.append(
             f"| `{option.name}` | {_TYPE_NAMES[option.type]} | {default} | {doc} |"
         )
