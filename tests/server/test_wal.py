@@ -306,6 +306,27 @@ def test_failed_snapshot_loses_nothing(tmp_path: Path, caplog) -> None:
     assert_same_state(recover(tmp_path), state)
 
 
+def test_leftovers_of_an_interrupted_snapshot_are_cleaned_up(tmp_path: Path) -> None:
+    state = live_state()
+    old = tmp_path / "old"
+    with WriteAheadLog(tmp_path) as wal:
+        wal.recover()
+        busy_state(state)
+        commit(wal, state)
+        shutil.copytree(tmp_path, old, ignore=shutil.ignore_patterns("LOCK", "old"))
+        wal.snapshot(state)
+        state.set("after", b"snapshot")
+        commit(wal, state)
+    # as if the server died before removing the older generation, while writing the next snapshot
+    shutil.copy(old / LOG_0, tmp_path / LOG_0)
+    (tmp_path / "snapshot-0000000000000002.tmp").write_bytes(b"half a snapshot")
+    shutil.rmtree(old)
+    assert_same_state(recover(tmp_path), state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "LOCK", "snapshot-0000000000000001.snap", "wal-0000000000000001.log"
+    ]
+
+
 def test_corrupt_snapshot_is_an_error_naming_it(tmp_path: Path) -> None:
     state = live_state()
     with WriteAheadLog(tmp_path) as wal:
