@@ -1,0 +1,20 @@
+"""The elastic agent behind ``rdzv run``: rendezvous, worker processes, restarts, error reports.
+
+Workers use :func:`record` to have their traceback shown in the agent's failure summary.
+"""
+
+from ._agent import ElasticAgent
+from ._config import ConfigError, LaunchConfig, add_run_arguments, config_from_args
+from ._errors import record
+from ._launch import launch, run_from_args
+
+__all__ = [
+    "ConfigError",
+    "ElasticAgent",
+    "LaunchConfig",
+    "add_run_arguments",
+    "config_from_args",
+    "launch",
+    "record",
+    "run_from_args",
+]

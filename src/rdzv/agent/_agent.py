@@ -1,0 +1,360 @@
+"""The elastic agent of one node: rendezvous, start the workers, react to what happens, repeat.
+
+Everything the agent waits for arrives as an event on one queue: a round formed (the
+rendezvous runs in the background, ``next_rendezvous_async``), a worker exited, the membership
+changed, a signal came. The decisions are pure functions (:func:`on_worker_exit`,
+:func:`on_membership_change`) of what the agent observed; the loop carries them out.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from ..errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    StoreTimeoutError,
+)
+from ..rendezvous import RendezvousHandler, RendezvousInfo
+from ._config import LaunchConfig
+from ._errors import WorkerFailure, failure_summary, read_error_file
+from ._round import Assignment, MembershipChanged, MembershipWatcher, assign, exit_barrier
+from ._workers import WorkerExited, WorkerGroup, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PROGRESS_INTERVAL = 10.0
+"""Seconds between 'still waiting' messages while a round forms."""
+ASSIGN_TIMEOUT = 60.0
+"""Seconds a node waits for the other nodes of a formed round to exchange their worker counts."""
+EXIT_BARRIER_TIMEOUT = 300.0
+"""Seconds a node whose workers succeeded waits for the other nodes to finish too (torch's)."""
+WATCH_SLICE = 5.0
+"""Longest single wait of the membership watcher (a change wakes it at once)."""
+
+
+class Action(enum.Enum):
+    """What the agent does next."""
+
+    CONTINUE = "continue"
+    SUCCEED = "succeed"
+    RESTART = "restart"
+    """A worker failed: stop the group, re-rendezvous and restart (counted)."""
+    REFORM = "reform"
+    """The membership changed: stop the group, re-rendezvous and restart (not counted)."""
+    FAIL = "fail"
+    LEAVE = "leave"
+
+
+@dataclass(frozen=True)
+class RoundFormed:
+    """Event: the background rendezvous finished (its future holds the round or the error)."""
+
+    future: "Future[RendezvousInfo]"
+
+
+@dataclass(frozen=True)
+class Signalled:
+    """Event: the agent received ``signum``."""
+
+    signum: int
+
+
+def on_worker_exit(returncodes: Mapping[int, int | None], restarts: int, max_restarts: int,
+                   closed: bool) -> Action:
+    """The decision after a worker exited, given every worker's return code (None: running)."""
+    if any(code not in (None, 0) for code in returncodes.values()):
+        return Action.RESTART if restarts < max_restarts and not closed else Action.FAIL
+    if all(code == 0 for code in returncodes.values()):
+        return Action.SUCCEED
+    return Action.CONTINUE
+
+
+def on_membership_change(closed: bool) -> Action:
+    """A closed rendezvous forms no new round: the workers run on to their end."""
+    return Action.CONTINUE if closed else Action.REFORM
+
+
+def worker_env(config: LaunchConfig, assignment: Assignment, local_rank: int, restarts: int,
+               base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of one worker, with the variables torch's workers expect."""
+    env = dict(base)
+    nproc = config.nproc_per_node
+    env.update(
+        LOCAL_RANK=str(local_rank),
+        RANK=str(assignment.rank_offset + local_rank),
+        GROUP_RANK=str(assignment.group_rank),
+        ROLE_RANK=str(assignment.role_rank_offset + local_rank),
+        ROLE_NAME=config.role,
+        LOCAL_WORLD_SIZE=str(nproc),
+        WORLD_SIZE=str(assignment.world_size),
+        GROUP_WORLD_SIZE=str(assignment.group_world_size),
+        ROLE_WORLD_SIZE=str(assignment.role_world_size),
+        MASTER_ADDR=assignment.master_addr,
+        MASTER_PORT=str(assignment.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(restarts),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=config.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    )
+    if nproc > 1 and "OMP_NUM_THREADS" not in base:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+class ElasticAgent:
+    """Runs the workers of one node under ``handler`` until they succeed, fail or are stopped.
+
+    Args:
+        config: the launch configuration.
+        handler: the run's rendezvous handler (the agent shuts it down when it ends).
+        host: this node's address for the workers' MASTER_ADDR and the failure report.
+    """
+
+    def __init__(self, config: LaunchConfig, handler: RendezvousHandler,
+                 host: str | None = None) -> None:
+        self.config = config
+        self.handler = handler
+        self.host = host or config.local_addr or socket.getfqdn()
+        self.restarts = 0
+        self.log_root = ""
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._generation = 0
+        self._interrupt_on_signal = False
+
+    # -- console ----------------------------------------------------------------------------------
+    def say(self, message: str) -> None:
+        """Tell the person at the console what happens."""
+        print(f"[rdzv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    # -- signals ----------------------------------------------------------------------------------
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._events.put(Signalled(signum))  # SimpleQueue.put is safe in a signal handler
+        if self._interrupt_on_signal:
+            raise _Interrupted(signum)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until the job ends; returns the exit code for ``rdzv run``."""
+        root = self.config.log_dir or tempfile.gettempdir()
+        os.makedirs(root, exist_ok=True)
+        self.log_root = tempfile.mkdtemp(prefix=f"{self.config.run_id}_", dir=root)
+        self.say(f"worker logs: {self.log_root}")
+        with self._signals():
+            try:
+                return self._run()
+            except _Interrupted as stop:
+                self.say(f"{signal.Signals(stop.signum).name} received: leaving")
+                return 128 + stop.signum
+            finally:
+                self._shutdown_handler()
+
+    def _run(self) -> int:
+        config = self.config
+        while True:
+            info = self._rendezvous()
+            if isinstance(info, int):
+                return info
+            self._generation += 1
+            try:
+                assignment = assign(info, self.handler, config.nproc_per_node, config.role,
+                                    self.host, ASSIGN_TIMEOUT)
+            except StoreTimeoutError as exc:
+                self.say(f"a node of the new round did not answer ({exc}); re-forming")
+                continue
+            last = assignment.rank_offset + config.nproc_per_node - 1
+            self.say(f"round complete: {assignment.group_world_size} node(s), world size "
+                     f"{assignment.world_size}; this node is group rank {assignment.group_rank} "
+                     f"with global ranks {assignment.rank_offset}..{last}")
+            group = self._start_workers(assignment)
+            action, signum = self._monitor(group)
+            if action is Action.SUCCEED:
+                group.stop(timeout=config.stop_timeout)
+                self.say(f"all {config.nproc_per_node} worker(s) of this node succeeded")
+                return self._finish(info)
+            if action is Action.LEAVE:
+                name = signal.Signals(signum).name
+                self.say(f"{name} received: stopping the workers (grace {config.stop_timeout:g} "
+                         "s) and leaving the rendezvous")
+                group.stop(signum, config.stop_timeout)
+                return 128 + signum
+            failures = self._failures(group)
+            group.stop(timeout=config.stop_timeout)
+            if action is Action.FAIL:
+                reason = (f"workers failed after {self.restarts} restart(s) (--max-restarts "
+                          f"{config.max_restarts})")
+                print(failure_summary(failures, reason), file=sys.stderr, flush=True)
+                self._close()
+                return 1
+            if action is Action.RESTART:
+                self.restarts += 1
+                worst = failures[0] if failures else None
+                why = (f"global rank {worst.global_rank} ended with {worst.how}" if worst
+                       else "a worker failed")
+                self.say(f"{why}; restarting the workers (restart {self.restarts} of "
+                         f"{config.max_restarts})")
+            else:
+                self.say("the membership changed (a node joined, left or was lost); re-forming "
+                         "the group (not counted as a restart)")
+
+    def _rendezvous(self) -> RendezvousInfo | int:
+        """Join the next round, reacting to signals meanwhile: the round or an exit code."""
+        config = self.config
+        self.say(f"waiting for nodes: {config.min_nodes}..{config.max_nodes} for run "
+                 f"{config.run_id!r} ({config.rdzv_backend} {config.rdzv_endpoint})")
+        started = time.monotonic()
+        future = self.handler.next_rendezvous_async()
+        future.add_done_callback(lambda f: self._events.put(RoundFormed(f)))
+        while True:
+            try:
+                event = self._events.get(timeout=PROGRESS_INTERVAL)
+            except queue.Empty:
+                self.say(f"still waiting for nodes ({time.monotonic() - started:.0f} s)")
+                continue
+            if isinstance(event, Signalled):
+                self.say(f"{signal.Signals(event.signum).name} received while waiting for nodes: "
+                         "leaving the rendezvous")
+                return 128 + event.signum
+            if isinstance(event, RoundFormed) and event.future is future:
+                break
+        try:
+            info = future.result(timeout=0)
+        except RendezvousGracefulExitError as exc:
+            self.say(f"asked to leave the run: {exc}")
+            return 0
+        except RendezvousClosedError as exc:
+            self.say(f"the rendezvous is closed, the run has ended on the other nodes ({exc})")
+            return 1
+        except RendezvousError as exc:
+            self.say(f"rendezvous failed: {type(exc).__name__}: {exc}")
+            return 1
+        self.say(f"round formed in {time.monotonic() - started:.2f} s")
+        return info
+
+    def _start_workers(self, assignment: Assignment) -> WorkerGroup:
+        config = self.config
+        attempt_dir = os.path.join(self.log_root, f"attempt_{self._generation - 1}")
+        specs = [
+            WorkerSpec(local_rank, assignment.rank_offset + local_rank,
+                       worker_env(config, assignment, local_rank, self.restarts, os.environ))
+            for local_rank in range(config.nproc_per_node)
+        ]
+
+        def console_streams(local_rank: int) -> frozenset[str]:
+            hidden = config.redirects.streams(local_rank) - config.tee.streams(local_rank)
+            return frozenset({"stdout", "stderr"}) - hidden
+
+        group = WorkerGroup(config.command, attempt_dir, self._events, self._generation,
+                            console_streams)
+        group.start(specs)
+        pids = ", ".join(str(pid) for pid in group.pids().values())
+        self.say(f"started {len(specs)} worker(s) (pids {pids}); logs in {attempt_dir}")
+        return group
+
+    def _monitor(self, group: WorkerGroup) -> tuple[Action, int]:
+        """Wait for the event that ends this group's run: (action, signal number if LEAVE)."""
+        watcher = MembershipWatcher(self.handler, self._events, self._generation,
+                                    max(WATCH_SLICE, self.config.monitor_interval))
+        watcher.start()
+        try:
+            while True:
+                event = self._events.get()
+                if isinstance(event, Signalled):
+                    return Action.LEAVE, event.signum
+                if isinstance(event, WorkerExited) and event.generation == self._generation:
+                    codes = group.returncodes()
+                    failed = any(code not in (None, 0) for code in codes.values())
+                    closed = failed and self.handler.is_closed()
+                    action = on_worker_exit(codes, self.restarts, self.config.max_restarts,
+                                            closed)
+                elif isinstance(event, MembershipChanged) and event.generation == self._generation:
+                    closed = self.handler.is_closed()
+                    action = on_membership_change(closed)
+                    if closed:
+                        self.say("the rendezvous was closed by another node; waiting for this "
+                                 "node's workers to finish")
+                else:
+                    continue  # an event of an earlier round
+                if action is not Action.CONTINUE:
+                    return action, 0
+        finally:
+            watcher.stop()
+
+    def _failures(self, group: WorkerGroup) -> list[WorkerFailure]:
+        """The workers of ``group`` that have failed so far, earliest first."""
+        failures = []
+        for spec in group.specs:
+            code = group.returncodes()[spec.local_rank]
+            if code in (None, 0):
+                continue
+            logs, error_file = group.worker_files(spec.local_rank)
+            failures.append(WorkerFailure(
+                global_rank=spec.global_rank, local_rank=spec.local_rank, role=self.config.role,
+                host=self.host, pid=group.pids()[spec.local_rank], exit_code=code,
+                time=group.end_time(spec.local_rank) or time.time(), log_files=logs,
+                error=read_error_file(error_file),
+            ))
+        return sorted(failures, key=lambda f: f.time)
+
+    # -- ending ---------------------------------------------------------------------------------
+    def _finish(self, info: RendezvousInfo) -> int:
+        """Close the rendezvous and wait for the other nodes before leaving (they may need the
+        store this node hosts)."""
+        self._close()
+        self._interrupt_on_signal = True
+        try:
+            if exit_barrier(info, EXIT_BARRIER_TIMEOUT):
+                self.say("every node has finished; done")
+        except RendezvousError as exc:
+            self.say(f"could not wait for the other nodes to finish: {exc}")
+        finally:
+            self._interrupt_on_signal = False
+        return 0
+
+    def _close(self) -> None:
+        try:
+            self.handler.set_closed()
+        except RendezvousError as exc:
+            self.say(f"could not close the rendezvous: {exc}")
+
+    def _shutdown_handler(self) -> None:
+        try:
+            self.handler.shutdown()
+        except RendezvousError as exc:
+            logger.warning("leaving the rendezvous failed: %s", exc)
+
+
+class _Interrupted(BaseException):
+    """A signal arrived while the agent was blocked outside its event loop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

@@ -1,0 +1,362 @@
+"""The launch configuration of ``rdzv run``: its flags, the PET_* env vars, and their validation.
+
+The flags are torchrun's (both ``--nproc-per-node`` and ``--nproc_per_node`` spellings). Each
+flag not given falls back to its env var ``PET_<NAME>`` (``PET_NNODES``, ``PET_RDZV_ENDPOINT``...),
+then to its default. :func:`config_from_args` turns the parsed flags into a checked
+:class:`LaunchConfig` or raises :class:`ConfigError` naming the flag and saying how to fix it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f", ""})
+STREAMS = {"0": frozenset(), "1": frozenset({"stdout"}), "2": frozenset({"stderr"}),
+           "3": frozenset({"stdout", "stderr"})}
+STATIC_BACKEND = "static"
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+
+class ConfigError(ValueError):
+    """A flag (or its env var) is malformed or contradicts another; the message says the fix."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class StreamChoice:
+    """Which streams (``stdout``/``stderr``) of each local rank a --redirects/--tee value names."""
+
+    default: frozenset[str] = frozenset()
+    per_rank: Mapping[int, frozenset[str]] = field(default_factory=dict)
+
+    def streams(self, local_rank: int) -> frozenset[str]:
+        return self.per_rank.get(local_rank, self.default)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything an agent needs to run one node of a job."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    run_id: str
+    rdzv_conf: Mapping[str, str]
+    command: tuple[str, ...]
+    """The worker command line: ``python -u script args``, ``python -u -m module`` or as given."""
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    stop_timeout: float = 30.0
+    role: str = "default"
+    local_addr: str | None = None
+    log_dir: str | None = None
+    redirects: StreamChoice = StreamChoice()
+    tee: StreamChoice = StreamChoice()
+    node_rank: int | None = None
+    """Static jobs only: this node's rank (``--node-rank``)."""
+
+
+# (dest, flags, help, kind, default); kind: str, int, float, flag.
+_OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
+    ("nnodes", ("--nnodes",), "Number of nodes, N or MIN:MAX (elastic).", "str", "1:1"),
+    ("nproc_per_node", ("--nproc-per-node", "--nproc_per_node"),
+     "Workers per node: a number, auto, cpu or gpu.", "str", "1"),
+    ("rdzv_backend", ("--rdzv-backend", "--rdzv_backend"),
+     "Rendezvous backend: tcp (torch's c10d is an alias), file, etcd, static...", "str", "tcp"),
+    ("rdzv_endpoint", ("--rdzv-endpoint", "--rdzv_endpoint"),
+     "The backend's endpoint, e.g. host:29400 (tcp) or a shared directory (file).", "str", ""),
+    ("rdzv_id", ("--rdzv-id", "--rdzv_id"), "The run id shared by every node of the job.",
+     "str", "none"),
+    ("rdzv_conf", ("--rdzv-conf", "--rdzv_conf"),
+     "Backend options as key=value,key=value (e.g. join_timeout=60).", "str", ""),
+    ("standalone", ("--standalone",),
+     "One node with an embedded store on a free port; no other rendezvous flag needed.",
+     "flag", False),
+    ("max_restarts", ("--max-restarts", "--max_restarts"),
+     "How many times a failed worker group is restarted before the run fails.", "int", 0),
+    ("monitor_interval", ("--monitor-interval", "--monitor_interval"),
+     "Seconds between checks for new or lost nodes while the workers run.", "float", 0.1),
+    ("stop_timeout", ("--stop-timeout", "--stop_timeout"),
+     "Seconds workers get to exit after SIGTERM before they are killed.", "float", 30.0),
+    ("role", ("--role",), "The workers' role name.", "str", "default"),
+    ("node_rank", ("--node-rank", "--node_rank"), "This node's rank (static jobs).", "int", None),
+    ("master_addr", ("--master-addr", "--master_addr"),
+     "Address of the node with rank 0 (static jobs).", "str", None),
+    ("master_port", ("--master-port", "--master_port"),
+     "Port of the static job's store on the node with rank 0.", "int", None),
+    ("local_addr", ("--local-addr", "--local_addr"),
+     "This node's address as the other nodes reach it.", "str", None),
+    ("log_dir", ("--log-dir", "--log_dir"),
+     "Directory of the workers' log files (default: a new temporary directory).", "str", None),
+    ("redirects", ("-r", "--redirects"),
+     "Streams written only to the log files, not the console: 0 none, 1 stdout, 2 stderr, "
+     "3 both, or per local rank as 0:1,1:2.", "str", "0"),
+    ("tee", ("-t", "--tee"),
+     "Streams shown on the console even if redirected (same values as --redirects).", "str", "0"),
+    ("run_path", ("--run-path", "--run_path"),
+     "Run the training script as a file path (python's runpy.run_path).", "flag", False),
+    ("module", ("-m", "--module"), "The training script is a Python module (python -m).",
+     "flag", False),
+    ("no_python", ("--no-python", "--no_python"),
+     "Run the training script as an executable, not with python.", "flag", False),
+)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``rdzv run``'s flags and the training script with its arguments to ``parser``."""
+    for dest, flags, text, kind, default in _OPTIONS:
+        env = f"PET_{dest.upper()}"
+        shown = f" Default: {default}." if default not in (None, False, "") else ""
+        help_text = f"{text}{shown} Env: {env}."
+        if kind == "flag":
+            parser.add_argument(*flags, dest=dest, action="store_const", const=True,
+                                default=None, help=help_text)
+        else:
+            parser.add_argument(*flags, dest=dest, default=None, metavar=dest.upper(),
+                                help=help_text)
+    parser.add_argument("training_script", metavar="TRAINING_SCRIPT",
+                        help="The worker program (a Python script, a module with -m, or an "
+                             "executable with --no-python).")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                        help="Arguments of the worker program.")
+
+
+def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Each option's raw value and where it came from (the flag, the env var, or 'default')."""
+    resolved: dict[str, tuple[Any, str]] = {}
+    for dest, flags, _text, kind, default in _OPTIONS:
+        given = getattr(args, dest, None)
+        name = f"PET_{dest.upper()}"
+        if given is not None:
+            resolved[dest] = (given, flags[-1] if flags[0] == "-m" else flags[0])
+        elif name in env:
+            value: Any = env[name]
+            if kind == "flag":
+                word = value.strip().lower()
+                if word not in TRUE_WORDS | FALSE_WORDS:
+                    raise ConfigError(name, f"{value!r} is not a boolean; use 1 or 0")
+                value = word in TRUE_WORDS
+            resolved[dest] = (value, name)
+        else:
+            resolved[dest] = (default, "default")
+    return resolved
+
+
+def _number(kind: type, raw: Any, source: str, minimum: float, example: str) -> Any:
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(source, f"{raw!r} is not a{'n integer' if kind is int else ' number'}"
+                                  f"; e.g. {example}") from None
+    if value < minimum or value != value:
+        raise ConfigError(source, f"must be >= {minimum:g}, got {raw!r}; e.g. {example}")
+    return value
+
+
+def parse_nnodes(raw: str, source: str = "--nnodes") -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` as (min, max), checked."""
+    low, sep, high = str(raw).partition(":")
+    example = "--nnodes 2 or --nnodes 1:4"
+    if sep and not high:
+        raise ConfigError(source, f"{raw!r} has no maximum after ':'; e.g. {example}")
+    min_nodes = _number(int, low, source, 1, example)
+    max_nodes = _number(int, high, source, 1, example) if sep else min_nodes
+    if max_nodes < min_nodes:
+        raise ConfigError(source, f"the maximum {max_nodes} is below the minimum {min_nodes}; "
+                                  f"give MIN:MAX with MIN <= MAX, e.g. 1:4")
+    return min_nodes, max_nodes
+
+
+def gpu_count() -> int:
+    """How many GPUs this node has: torch's count when torch is installed, else the driver's."""
+    try:
+        import torch  # noqa: PLC0415  (only for --nproc-per-node auto/gpu)
+
+        return int(torch.cuda.device_count())
+    except ImportError:
+        pass
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def parse_nproc(raw: str, source: str = "--nproc-per-node") -> int:
+    """A worker count, or ``auto`` (GPUs, else CPUs), ``cpu`` or ``gpu``."""
+    word = str(raw).strip().lower()
+    if word == "cpu":
+        return os.cpu_count() or 1
+    if word in ("gpu", "auto"):
+        gpus = gpu_count()
+        if gpus:
+            return gpus
+        if word == "gpu":
+            raise ConfigError(source, "'gpu' but this node has no GPU; give a number or 'cpu'")
+        return os.cpu_count() or 1
+    return _number(int, raw, source, 1, "--nproc-per-node 4, auto, cpu or gpu")
+
+
+def parse_streams(raw: str, source: str) -> StreamChoice:
+    """A --redirects/--tee value: ``0``..``3`` for every rank, or ``0:1,1:3`` per local rank."""
+    text = str(raw).strip()
+    hint = "use 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank as 0:1,1:2"
+    if text in STREAMS:
+        return StreamChoice(STREAMS[text])
+    per_rank: dict[int, frozenset[str]] = {}
+    for item in text.split(","):
+        rank, sep, streams = item.partition(":")
+        if not sep or not rank.strip().isdigit() or streams.strip() not in STREAMS:
+            raise ConfigError(source, f"{raw!r} is not a stream choice; {hint}")
+        per_rank[int(rank)] = STREAMS[streams.strip()]
+    return StreamChoice(frozenset(), per_rank)
+
+
+def parse_rdzv_conf(raw: str, source: str = "--rdzv-conf") -> dict[str, str]:
+    """``key=value,key=value`` as a dict."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in str(raw).split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(source, f"{item!r} is not key=value; e.g. "
+                                      f"--rdzv-conf join_timeout=60,last_call_timeout=5")
+        if key.strip() in conf:
+            raise ConfigError(source, f"option {key.strip()!r} is given twice")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def worker_command(script: str, script_args: list[str], module: bool, no_python: bool,
+                   run_path: bool) -> tuple[str, ...]:
+    """The command line that starts one worker."""
+    if sum((module, no_python, run_path)) > 1:
+        raise ConfigError("-m/--no-python/--run-path", "give at most one of them")
+    if no_python:
+        return (script, *script_args)
+    if module:
+        return (sys.executable, "-u", "-m", script, *script_args)
+    if run_path and not os.path.isfile(script):
+        raise ConfigError("--run-path", f"{script!r} is not a file; give the script's path")
+    return (sys.executable, "-u", script, *script_args)
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Check the parsed flags (falling back to PET_* env vars) and build the launch config."""
+    values = _resolve(args, os.environ if env is None else env)
+
+    def raw(dest: str) -> Any:
+        return values[dest][0]
+
+    def given(dest: str) -> bool:
+        return values[dest][1] != "default"
+
+    def source(dest: str) -> str:
+        where = values[dest][1]
+        return where if where != "default" else next(o[1][0] for o in _OPTIONS if o[0] == dest)
+
+    min_nodes, max_nodes = parse_nnodes(raw("nnodes"), source("nnodes"))
+    nproc = parse_nproc(raw("nproc_per_node"), source("nproc_per_node"))
+    backend = str(raw("rdzv_backend")).strip().lower()
+    if backend == "c10d":
+        backend = "tcp"
+    endpoint = str(raw("rdzv_endpoint")).strip()
+    run_id = str(raw("rdzv_id")).strip()
+    conf = parse_rdzv_conf(raw("rdzv_conf"), source("rdzv_conf"))
+    node_rank = None
+    static_flags = [d for d in ("master_addr", "master_port", "node_rank") if given(d)]
+    standalone = bool(raw("standalone"))
+    if standalone:
+        clashing = [d for d in ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr",
+                                "master_port", "node_rank") if given(d)]
+        if clashing:
+            raise ConfigError("--standalone", f"cannot be combined with {source(clashing[0])}: "
+                                              "a standalone run makes its own rendezvous; drop one")
+        if max_nodes != 1:
+            raise ConfigError("--standalone", f"runs one node but {source('nnodes')} asks for "
+                                              f"{raw('nnodes')}; drop one of them")
+        backend, endpoint, run_id = "tcp", "127.0.0.1:0", f"standalone-{uuid.uuid4().hex[:8]}"
+    elif static_flags and not given("rdzv_backend") and not given("rdzv_endpoint"):
+        backend = STATIC_BACKEND
+    if backend == STATIC_BACKEND:
+        if min_nodes != max_nodes:
+            raise ConfigError(source("nnodes"), f"a static job has a fixed size, got "
+                                                f"{raw('nnodes')}; give one number, or use an "
+                                                "elastic backend such as --rdzv-backend tcp")
+        node_rank = _number(int, raw("node_rank") or 0, source("node_rank"), 0, "--node-rank 0")
+        if node_rank >= max_nodes:
+            raise ConfigError(source("node_rank"), f"{node_rank} is not below the number of "
+                                                   f"nodes {max_nodes}; ranks are 0..{max_nodes - 1}")
+        if not endpoint:
+            port = _number(int, raw("master_port") or DEFAULT_MASTER_PORT, source("master_port"),
+                           1, "--master-port 29500")
+            endpoint = f"{raw('master_addr') or DEFAULT_MASTER_ADDR}:{port}"
+        elif given("master_addr") or given("master_port"):
+            raise ConfigError(source(static_flags[0]), "the static store is given twice (also "
+                                                       "by --rdzv-endpoint); drop one of them")
+        conf.setdefault("rank", str(node_rank))
+        conf.setdefault("world_size", str(max_nodes))
+        if run_id == "none":
+            run_id = "static"
+    elif static_flags:
+        raise ConfigError(source(static_flags[0]), f"is for static jobs but the rendezvous "
+                                                   f"backend is {backend}; drop it (the "
+                                                   "rendezvous assigns ranks and the master)")
+    elif not endpoint and backend in ("tcp", "file", "etcd"):
+        raise ConfigError("--rdzv-endpoint", f"the {backend} backend needs an endpoint, e.g. "
+                                             "--rdzv-endpoint HOST:29400 (or use --standalone "
+                                             "for a single node)")
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        run_id=run_id,
+        rdzv_conf=conf,
+        command=worker_command(args.training_script, list(args.training_script_args),
+                               bool(raw("module")), bool(raw("no_python")), bool(raw("run_path"))),
+        standalone=standalone,
+        max_restarts=_number(int, raw("max_restarts"), source("max_restarts"), 0,
+                             "--max-restarts 3"),
+        monitor_interval=_number(float, raw("monitor_interval"), source("monitor_interval"),
+                                 0.001, "--monitor-interval 0.5"),
+        stop_timeout=_number(float, raw("stop_timeout"), source("stop_timeout"), 0,
+                             "--stop-timeout 30"),
+        role=_role(raw("role"), source("role")),
+        local_addr=raw("local_addr"),
+        log_dir=raw("log_dir"),
+        redirects=parse_streams(raw("redirects"), source("redirects")),
+        tee=parse_streams(raw("tee"), source("tee")),
+        node_rank=node_rank,
+    )
+
+
+def _role(raw: str, source: str) -> str:
+    role = str(raw).strip()
+    if not role or any(ch.isspace() or ch in ",/" for ch in role):
+        raise ConfigError(source, f"{raw!r} is not a role name; use letters, digits, - or _")
+    return role
+
+
+def check_command(config: LaunchConfig) -> None:
+    """The worker program can be started (an executable exists, a script file exists)."""
+    program = config.command[0]
+    if program != sys.executable and shutil.which(program) is None:
+        raise ConfigError("--no-python", f"{program!r} is not an executable on PATH")
+    if config.command[:2] == (sys.executable, "-u") and config.command[2] != "-m":
+        if not os.path.isfile(config.command[2]):
+            raise ConfigError("TRAINING_SCRIPT", f"{config.command[2]!r} does not exist; give "
+                                                 "the path of a Python script (or -m MODULE)")

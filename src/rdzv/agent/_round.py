@@ -1,0 +1,179 @@
+"""This node's part in a round: its global ranks and master address, and watching the membership.
+
+After a round forms, each node writes what it runs (``nproc``, role) to the round's store and
+reads back its :class:`Assignment`. Rank 0 alone reads every node's entry, computes the prefix
+sums once and writes each node its own offsets (one ``multi_set``), so every other node does one
+write and one read whatever the number of nodes. The workers' MASTER_ADDR/MASTER_PORT is the
+rendezvous's ``bootstrap_store_info`` (rank 0's address and a port it found free), or, when that
+names the agent's own store, a free port rank 0 picks and publishes in the same write.
+
+:class:`MembershipWatcher` waits on ``wait_for_membership_change`` in a thread and reports the
+first change of a round as one :class:`MembershipChanged` event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RendezvousError, RendezvousStateError
+from ..rendezvous import RendezvousHandler, RendezvousInfo
+from ..rendezvous._engine import free_port
+from ..store import Store
+
+logger = logging.getLogger(__name__)
+
+NODE_KEY = "agent/node/"
+ASSIGN_KEY = "agent/assign/"
+DONE_COUNT_KEY = "agent/done"
+ALL_DONE_KEY = "agent/all-done"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """This node's place among all workers of a round."""
+
+    group_rank: int
+    group_world_size: int
+    rank_offset: int
+    """Global rank of this node's local rank 0."""
+    world_size: int
+    role_rank_offset: int
+    role_world_size: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
+class MembershipChanged:
+    """Event: a member of round ``generation`` was lost, left, or a node is waiting to join."""
+
+    generation: int
+
+
+def _loads(key: str, raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise RendezvousStateError(f"agent key {key!r} does not hold agent JSON: {raw[:60]!r}")
+    return data
+
+
+def plan_assignments(nodes: list[tuple[int, str]]) -> list[dict[str, int]]:
+    """Offsets of each node (given as (nproc, role) in group-rank order): global and per role."""
+    world_size = sum(nproc for nproc, _ in nodes)
+    role_sizes: dict[str, int] = {}
+    for nproc, role in nodes:
+        role_sizes[role] = role_sizes.get(role, 0) + nproc
+    offset, role_offsets, plans = 0, dict.fromkeys(role_sizes, 0), []
+    for nproc, role in nodes:
+        plans.append({"offset": offset, "world": world_size, "role_offset": role_offsets[role],
+                      "role_world": role_sizes[role]})
+        offset += nproc
+        role_offsets[role] += nproc
+    return plans
+
+
+def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: str,
+           host: str, timeout: float) -> Assignment:
+    """Exchange (nproc, role) through the round's store and return this node's assignment.
+
+    Raises:
+        StoreTimeoutError: a node of the round did not write its entry (or rank 0 its answer)
+            within ``timeout`` seconds (it probably died: the caller re-rendezvouses).
+    """
+    store: Store = info.store
+    store.set_timeout(timeout)
+    rank, size = info.rank, info.world_size
+    store.set(f"{NODE_KEY}{rank}", json.dumps({"nproc": nproc, "role": role}))
+    if rank == 0:
+        keys = [f"{NODE_KEY}{g}" for g in range(size)]
+        entries = [_loads(k, raw) for k, raw in zip(keys, store.multi_get(keys))]
+        plans = plan_assignments([(int(e["nproc"]), str(e["role"])) for e in entries])
+        bootstrap = info.bootstrap_store_info
+        if bootstrap is not None and not handler.use_agent_store:
+            addr, port = bootstrap.master_addr, bootstrap.master_port
+        else:  # the bootstrap address is the agent's own store: the workers need their own port
+            addr, port = host, free_port(host)
+        for plan in plans:
+            plan.update(addr=addr, port=port)
+        store.multi_set([f"{ASSIGN_KEY}{g}" for g in range(size)],
+                        [json.dumps(plan) for plan in plans])
+        mine = plans[0]
+    else:
+        key = f"{ASSIGN_KEY}{rank}"
+        mine = _loads(key, store.get(key))
+    return Assignment(
+        group_rank=rank,
+        group_world_size=size,
+        rank_offset=int(mine["offset"]),
+        world_size=int(mine["world"]),
+        role_rank_offset=int(mine["role_offset"]),
+        role_world_size=int(mine["role_world"]),
+        master_addr=str(mine["addr"]),
+        master_port=int(mine["port"]),
+    )
+
+
+def exit_barrier(info: RendezvousInfo, timeout: float) -> bool:
+    """Wait (at most ``timeout`` s) until every node of the round has finished; whether all did.
+
+    A node hosting the store must not leave while others still need it.
+    """
+    store = info.store
+    if store.add(DONE_COUNT_KEY, 1) >= info.world_size:
+        store.set(ALL_DONE_KEY, b"1")
+    try:
+        store.wait([ALL_DONE_KEY], timeout)
+        return True
+    except RendezvousError as exc:
+        logger.warning("not every node finished within %.3g s: %s", timeout, exc)
+        return False
+
+
+def default_host() -> str:
+    """This machine's name as other nodes may reach it (``--local-addr`` overrides it)."""
+    return socket.getfqdn()
+
+
+class MembershipWatcher:
+    """A thread reporting the first membership change of a round (then it ends)."""
+
+    def __init__(self, handler: RendezvousHandler, events: "queue.SimpleQueue[Any]",
+                 generation: int, wait_slice: float) -> None:
+        self._handler = handler
+        self._events = events
+        self._generation = generation
+        self._slice = wait_slice
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"rdzv-membership-{generation}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop reporting; the thread ends after its current wait (at most one slice)."""
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                changed = self._handler.wait_for_membership_change(self._slice)
+            except (RendezvousError, OSError) as exc:
+                if self._stopped.is_set():
+                    return
+                logger.warning("cannot watch the rendezvous membership: %s (retrying in %.3g s)",
+                               exc, self._slice)
+                self._stopped.wait(self._slice)
+                continue
+            if changed and not self._stopped.is_set():
+                self._events.put(MembershipChanged(self._generation))
+                return
