@@ -220,18 +220,19 @@ class WriteAheadLog:
         """Write the buffered records; with ``fsync="always"`` they are on disk when this returns."""
         if not self._pending:
             return
-        if self._log_fd is None or self._failure is not None:
-            self._check_writable()
+        fd = self._log_fd
+        if fd is None or self._failure is not None:
+            raise self._not_writable()
         data = b"".join(self._pending)
         self._pending = []
         try:
-            _write_all(self._log_fd, data)
+            _write_all(fd, data)
             if self._fsync:
-                _sync_data(self._log_fd)
+                _sync_data(fd)
         except OSError as exc:
             path = self._file("wal", self._generation)
             try:
-                os.ftruncate(self._log_fd, self._log_size)
+                os.ftruncate(fd, self._log_size)
             except OSError:
                 logger.exception("cannot cut the failed write off %s", path)
             self._failure = (
@@ -242,11 +243,11 @@ class WriteAheadLog:
             raise StoreError(self._failure) from exc
         self._log_size += len(data)
 
-    def _check_writable(self) -> None:
-        if self._failure is not None:
-            raise StoreError(self._failure)
-        if self._log_fd is None:
-            raise StoreError("the write-ahead log is not open: call recover() first, and not after close()")
+    def _not_writable(self) -> StoreError:
+        return StoreError(
+            self._failure
+            or "the write-ahead log is not open: call recover() first, and not after close()"
+        )
 
     # -- snapshots ------------------------------------------------------------------------------
     def snapshot_if_due(self, state: KVState) -> None:
@@ -266,18 +267,19 @@ class WriteAheadLog:
         """Start a new log, then write a snapshot of ``state`` (which must hold exactly the
         effects appended so far) and remove the older files once it is durable."""
         self.flush()
-        self._check_writable()
-        assert self._log_fd is not None
+        old_fd = self._log_fd
+        if old_fd is None or self._failure is not None:
+            raise self._not_writable()
         generation = self._generation + 1
         try:
-            _sync_data(self._log_fd)  # a log followed by another must be complete on disk
+            _sync_data(old_fd)  # a log followed by another must be complete on disk
             log_fd = self._create_log(generation)
         except OSError as exc:
             raise StoreError(f"cannot start log generation {generation} in {self.data_dir}: "
                              f"{exc.strerror}") from exc
         # From here on, the logs of both generations replay in a chain with or without the
         # snapshot, so a failed snapshot loses nothing.
-        os.close(self._log_fd)
+        os.close(old_fd)
         self._log_fd = log_fd
         self._generation = generation
         self._log_size = FILE_HEADER_SIZE

@@ -74,21 +74,20 @@ def _untext(data: bytes) -> str:
 
 def encode(record: _Record) -> bytes:
     """The framed record of an effect (or of a snapshot-only record)."""
-    kind = type(record)
-    if kind is Put:
+    if isinstance(record, Put):
         key = _text(record.key)
         return _frame(
             _PUT_HEAD.pack(_PUT, record.revision, record.session, len(key)) + key + record.value
         )
-    if kind is Delete:
+    if isinstance(record, Delete):
         return _frame(_TYPE_NUMBER.pack(_DELETE, record.revision) + _text(record.key))
-    if kind is SessionOpen:
+    if isinstance(record, SessionOpen):
         return _frame(_SESSION_OPEN_BODY.pack(_SESSION_OPEN, record.session, record.ttl))
-    if kind is SessionClose:
+    if isinstance(record, SessionClose):
         return _frame(_TYPE_NUMBER.pack(_SESSION_CLOSE, record.session))
-    if kind is _PathRevision:
+    if isinstance(record, _PathRevision):
         return _frame(_TYPE_NUMBER.pack(_PATH_REVISION, record.revision) + _text(record.path))
-    if kind is _SnapshotMeta:
+    if isinstance(record, _SnapshotMeta):
         return _frame(_SNAPSHOT_META_BODY.pack(_SNAPSHOT_META, *record))
     raise TypeError(f"cannot log {record!r}: not a Put, Delete, SessionOpen or SessionClose")
 
@@ -211,9 +210,9 @@ def read_log(path: Path, generation: int) -> tuple[list[Effect], Scan]:
     effects: list[Effect] = []
     for offset, payload in scan.records:
         record = _decode_at(path, offset, payload, "Restore it from a backup.")
-        if type(record) not in (Put, Delete, SessionOpen, SessionClose):
+        if not isinstance(record, (Put, Delete, SessionOpen, SessionClose)):
             raise corrupt(path, offset, "a snapshot record inside a log", "Restore it from a backup.")
-        effects.append(record)  # type: ignore[arg-type]
+        effects.append(record)
     return effects, scan
 
 
@@ -238,11 +237,11 @@ def read_snapshot(path: Path, generation: int) -> KVState:
         if kind not in counts or (meta is None) != (kind is _SnapshotMeta):
             raise corrupt(path, offset, f"a misplaced {kind.__name__} record", advice)
         counts[kind] += 1
-        if kind is _SnapshotMeta:
+        if isinstance(record, _SnapshotMeta):
             meta = record
-        elif kind is _PathRevision:
+        elif isinstance(record, _PathRevision):
             paths[record.path] = record.revision
-        else:
+        elif isinstance(record, (Put, SessionOpen)):
             state.apply(record)
     expected = (1, meta.keys, meta.sessions, meta.paths) if meta else (1, 0, 0, 0)
     if tuple(counts.values()) != expected:
