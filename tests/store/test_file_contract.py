@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from contract import StoreContract
+from contract import StoreContract, eventually
 
+from rdzv.errors import RendezvousStateError, StoreConnectionError
 from rdzv.store import FileStore, Store
 
 SESSION_TTL = 2.0
@@ -52,3 +53,127 @@ class TestFileStoreCompacting(StoreContract):
         factory = FileStoreFactory(tmp_path / "store", compact_bytes=2048)
         yield factory
         factory.close()
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Iterator[FileStoreFactory]:
+    made = FileStoreFactory(tmp_path / "store")
+    yield made
+    made.close()
+
+
+def test_foreign_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-store"
+    path.write_bytes(b"\x05\x00\x00\x00hello, torch FileStore data")
+    with pytest.raises(RendezvousStateError, match="not an rdzv FileStore file") as info:
+        FileStore(path, session_ttl=SESSION_TTL)
+    assert str(path) in str(info.value)
+    assert path.read_bytes().startswith(b"\x05\x00\x00\x00hello")
+
+
+def test_corrupt_record_names_file_and_offset(factory: FileStoreFactory) -> None:
+    store = factory.new_client()
+    store.set("first", "1")
+    offset = factory.path.stat().st_size
+    store.set("second", "2")
+    data = bytearray(factory.path.read_bytes())
+    data[-1] ^= 0xFF
+    factory.path.write_bytes(bytes(data))
+    with pytest.raises(RendezvousStateError, match=f"offset {offset}") as info:
+        FileStore(factory.path, session_ttl=SESSION_TTL)
+    assert str(factory.path) in str(info.value)
+
+
+def test_torn_last_record_is_dropped(factory: FileStoreFactory, caplog: Any) -> None:
+    store = factory.new_client()
+    store.set("kept", "1")
+    before = factory.path.stat().st_size
+    store.set("torn", "2")
+    whole = factory.path.stat().st_size
+    store.close()
+    with open(factory.path, "r+b") as file:  # as if the writer died mid-write
+        file.truncate(before + (whole - before) // 2)
+    reader = factory.new_client()
+    assert reader.try_get("kept") == b"1"
+    assert reader.try_get("torn") is None
+    assert "incomplete last record" in caplog.text
+    reader.set("after", "3")
+    assert factory.new_client().multi_get(["kept", "after"]) == [b"1", b"3"]
+
+
+def test_compaction_keeps_data_revisions_and_sessions(tmp_path: Path) -> None:
+    factory = FileStoreFactory(tmp_path / "store", compact_bytes=1024)
+    try:
+        writer, early = factory.new_client(), factory.new_client()
+        writer.set("mine", "e", ephemeral=True)
+        writer.set("dir/gone", "x")
+        writer.delete_key("dir/gone")
+        seen = early.revision("dir/")
+        for round_ in range(300):
+            writer.set(f"key{round_ % 10}", str(round_))
+        assert factory.path.stat().st_size < 8 * 1024
+        assert not [p for p in tmp_path.iterdir() if ".compact-" in p.name]
+        late = factory.new_client()
+        for reader in (early, late):
+            assert reader.multi_get([f"key{n}" for n in range(10)]) == [
+                str(290 + n).encode() for n in range(10)
+            ]
+            assert reader.revision("") >= writer.revision("key9")
+            assert reader.try_get("mine") == b"e"
+        assert early.watch("dir/", seen, 0.1) <= seen
+        assert late.revision("key0") >= writer.revision("key0")
+        writer.close()
+        assert late.try_get("mine") is None and early.try_get("mine") is None
+    finally:
+        factory.close()
+
+
+def test_world_size_deletes_file_after_last_close(tmp_path: Path) -> None:
+    path = tmp_path / "job"
+    first = FileStore(path, 2, session_ttl=SESSION_TTL)
+    second = FileStore(path, 2, session_ttl=SESSION_TTL)
+    first.set("k", "v")
+    first.close()
+    assert path.exists() and second.get("k") == b"v"
+    second.close()
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
+    with FileStore(path, session_ttl=SESSION_TTL) as unbounded:
+        unbounded.set("k", "v")
+    assert path.exists()
+
+
+def test_stopped_then_resumed_client_learns_its_session_expired(
+    factory: FileStoreFactory,
+) -> None:
+    from _peers import PeerError, ProcessPeer
+
+    store = factory.new_client()
+    peer = ProcessPeer(factory.child_spec())
+    try:
+        peer.call("set", "eph", "1", ephemeral=True)
+        peer.stop()
+        eventually(lambda: store.try_get("eph") is None, 3 * SESSION_TTL + 45, "expiry")
+        peer.resume()
+        with pytest.raises(PeerError, match="expired") as info:
+            peer.call("set", "eph", "2", ephemeral=True)
+        assert info.value.type_name == "SessionExpiredError"
+        peer.call("set", "durable", "3")
+        assert store.get("durable") == b"3"
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [({"world_size": 0}, ValueError), ({"session_ttl": 0}, ValueError), ({"timeout": -1}, ValueError)],
+)
+def test_bad_options(tmp_path: Path, options: dict[str, Any], error: type) -> None:
+    with pytest.raises(error):
+        FileStore(tmp_path / "store", **options)
+
+
+def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "no-such-dir" / "store"
+    with pytest.raises(StoreConnectionError, match="no-such-dir"):
+        FileStore(path)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 from contract import StoreContract
+from test_file_contract import FileStoreFactory
 from test_hash_contract import HashStoreFactory
 
 from rdzv.store import PrefixStore, Store
@@ -16,25 +18,23 @@ PREFIX = "tenant"
 class PrefixedFactory:
     """Clients of a fresh store, each seen through ``PrefixStore(PREFIX, client)``."""
 
-    def __init__(self, base: HashStoreFactory) -> None:
+    def __init__(self, base: HashStoreFactory | FileStoreFactory) -> None:
         self.base = base
         self.views: list[PrefixStore] = []
+        self.session_ttl = getattr(base, "session_ttl", None)
 
     def new_client(self) -> Store:
         view = PrefixStore(PREFIX, self.base.new_client())
         self.views.append(view)
         return view
 
-    def child_spec(self) -> None:
-        return None
+    def child_spec(self) -> dict[str, Any] | None:
+        spec = self.base.child_spec()
+        return None if spec is None else {**spec, "prefix": PREFIX}
 
 
-class TestPrefixOverHashStore(StoreContract):
-    @pytest.fixture
-    def store_factory(self) -> Iterator[PrefixedFactory]:
-        base = HashStoreFactory()
-        yield PrefixedFactory(base)
-        base.close()
+class PrefixContract(StoreContract):
+    """The contract through a PrefixStore view, plus where its keys really live."""
 
     def test_keys_live_under_the_prefix(self, store_factory: PrefixedFactory) -> None:
         view = store_factory.new_client()
@@ -46,3 +46,21 @@ class TestPrefixOverHashStore(StoreContract):
     @pytest.mark.xfail(reason="PrefixStore does not check_key() the key before adding its prefix")
     def test_empty_key_is_value_error(self, store: Store) -> None:
         super().test_empty_key_is_value_error(store)
+
+
+class TestPrefixOverHashStore(PrefixContract):
+    @pytest.fixture
+    def store_factory(self) -> Iterator[PrefixedFactory]:
+        base = HashStoreFactory()
+        yield PrefixedFactory(base)
+        base.close()
+
+
+class TestPrefixOverFileStore(PrefixContract):
+    """Over a multi-process store: child processes use the same prefix (``_child.py`` wraps)."""
+
+    @pytest.fixture
+    def store_factory(self, tmp_path: Path) -> Iterator[PrefixedFactory]:
+        base = FileStoreFactory(tmp_path / "store")
+        yield PrefixedFactory(base)
+        base.close()

@@ -111,7 +111,12 @@ class FileStore(Store):
         self._last_session = 0
         self._closed = False
         self._probe = LivenessProbe(self.file_name)
-        self._session, self._session_file = self._open_session()
+        try:
+            self._session, self._session_file = self._open_session()
+        except BaseException:
+            if self._fd is not None:
+                os.close(self._fd)
+            raise
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name=f"FileStore heartbeat {self._session}", daemon=True
@@ -330,24 +335,29 @@ class FileStore(Store):
             self._closed = True
         self._stop.set()
         self._heartbeat.join(timeout=self._session_ttl)
+        deleted = False
         try:
             self._remove_dead_sessions()
-            self._mutate(self._close_session)
+            deleted = self._mutate(self._close_session)
         finally:
             self._session_file.remove()
             with self._lock:
                 if self._fd is not None:
                     os.close(self._fd)
                     self._fd = None
-
-    def _close_session(self, state: KVState) -> None:
-        state.close_session(self._session)
-        if 0 < self.world_size <= self._last_session and not state.session_ttls:
-            os.unlink(self.file_name)  # the last of world_size clients: torch deletes the file
+        if deleted:
             try:
                 os.rmdir(sessions_dir(self.file_name))
             except OSError:
-                pass  # a session file of a crashed client is left: harmless
+                pass  # a new client already started a new store here
+
+    def _close_session(self, state: KVState) -> bool:
+        """End this client's session; whether it was the last of ``world_size`` (file deleted)."""
+        state.close_session(self._session)
+        if 0 < self.world_size <= self._last_session and not state.session_ttls:
+            os.unlink(self.file_name)  # as torch's FileStore, the last client deletes the file
+            return True
+        return False
 
     # -- writes -----------------------------------------------------------------------------
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
