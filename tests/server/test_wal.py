@@ -46,8 +46,9 @@ def commit(wal: WriteAheadLog, state: KVState) -> None:
     wal.flush()
 
 
-def recover(data_dir: Path, **kwargs: object) -> KVState:
-    with WriteAheadLog(data_dir, **kwargs) as wal:  # type: ignore[arg-type]
+def recover(data_dir: Path) -> KVState:
+    """What a restarted server finds in ``data_dir``."""
+    with WriteAheadLog(data_dir) as wal:
         return wal.recover()
 
 
