@@ -252,6 +252,26 @@ class EtcdClient:
                     ) from exc
                 time.sleep(min(0.2, max(0.0, deadline - now)))
 
+    def history(self, start: int, end: int) -> list[dict[str, Any]]:
+        """Every event of the whole keyspace with ``start <= revision <= end``.
+
+        ``end`` must be a revision etcd has reached: as every revision is one change of some
+        key, the stream then surely carries an event at ``end``, which marks the end of history.
+        """
+        events: list[dict[str, Any]] = []
+        everything = b64(b"\0")
+        while start <= end:
+            create = {"key": everything, "range_end": everything, "start_revision": start}
+            batch = self.watch(create, self.options.retry_timeout)
+            if not batch:
+                raise StoreConnectionError(
+                    f"etcd at {self.endpoint} sent no history from revision {start} "
+                    f"within {self.options.retry_timeout:g} s"
+                )
+            events += [e for e in batch if int(e["kv"]["mod_revision"]) <= end]
+            start = max(int(e["kv"]["mod_revision"]) for e in batch) + 1
+        return events
+
     def _watch_stream(self, endpoint: str, create: dict[str, Any], seconds: float) -> list[dict[str, Any]]:
         conn = self._connect(endpoint, self.options.request_timeout)
         try:

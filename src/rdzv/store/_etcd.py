@@ -9,11 +9,12 @@ revisions are etcd's, and ephemeral keys carry this client's lease (see
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence, Union
 
-from ..errors import SessionExpiredError, StoreError, StoreValueError
+from ..errors import SessionExpiredError, StoreAuthenticationError, StoreError, StoreValueError
 from ..etcd._client import (
     EtcdAmbiguousError,
     EtcdClient,
@@ -45,6 +46,7 @@ MAX_TXN_OPS = 128
 """etcd's default limit of operations in one transaction (``--max-txn-ops``)."""
 
 _MAX_UPDATE_TRIES = 10_000
+_MAX_CACHED_PATHS = 1024
 
 KV = dict[str, Any]
 Change = Callable[[Union[bytes, None]], "tuple[bytes, bytes | None]"]
@@ -86,6 +88,9 @@ class EtcdStore(Store):
         self.session = EtcdLease(self.client, session_ttl)
         """This client's lease: what ephemeral keys are attached to."""
         self._closed = False
+        self._deletes: dict[str, tuple[int, int]] = {}
+        """Per path: (history scanned up to this revision, last deletion seen)."""
+        self._deletes_lock = threading.Lock()
         try:
             self.client.call("kv/range", {**self._range(""), "count_only": True})
         except BaseException:
@@ -170,16 +175,53 @@ class EtcdStore(Store):
         return int(answer.get("count", 0))
 
     def revision(self, path: str = "") -> int:
-        """etcd's ``mod_revision`` of ``path``: of the key, or the newest key under a dir/prefix.
+        """The etcd revision of the last change (put or delete) of ``path``.
 
-        A deletion lowers it back to that of the newest key left (0 if none): watch and use the
-        revision :meth:`watch` returns to follow deletions.
+        The newest ``mod_revision`` under the path, or a later deletion: those are found in
+        etcd's history since that revision (scanned once per path and process, then only what
+        is new). Without the right to watch the whole keyspace, or past a compaction, the result
+        may be later than the real last change (never earlier), which is still a correct
+        ``since`` for :meth:`watch`.
         """
         body = {**self._range(path), "limit": 1, "keys_only": True}
         if "range_end" in body:
             body.update(sort_order="DESCEND", sort_target="MOD")
-        kvs = self.client.call("kv/range", body).get("kvs")
-        return int(kvs[0]["mod_revision"]) if kvs else 0
+        answer = self.client.call("kv/range", body)
+        kvs = answer.get("kvs")
+        newest = int(kvs[0]["mod_revision"]) if kvs else 0
+        current = int(answer["header"]["revision"])
+        if newest >= current:
+            return newest
+        return max(newest, self._last_delete(path, newest, current))
+
+    def _last_delete(self, path: str, newest: int, current: int) -> int:
+        """The revision of the last deletion under ``path`` up to ``current`` (0 if none)."""
+        with self._deletes_lock:
+            scanned, last = self._deletes.get(path, (0, 0))
+        start = max(newest, scanned) + 1
+        if start > current:
+            return last
+        selected = self._range(path)
+        low = unb64(selected["key"])
+        high = unb64(selected["range_end"]) if "range_end" in selected else None
+        try:
+            events = self.client.history(start, current)
+        except EtcdCompactedError as exc:
+            logger.info("etcd history before revision %d is compacted", exc.compact_revision)
+            return max(last, exc.compact_revision, newest)
+        except StoreAuthenticationError as exc:
+            logger.warning("cannot read etcd's history (%s): revision() is an upper bound", exc)
+            return current
+        for event in events:
+            if event.get("type") == "DELETE":
+                key = unb64(event["kv"]["key"])
+                if (key == low) if high is None else (low <= key and (high == b"\0" or key < high)):
+                    last = max(last, int(event["kv"]["mod_revision"]))
+        with self._deletes_lock:
+            if len(self._deletes) >= _MAX_CACHED_PATHS:
+                self._deletes.clear()
+            self._deletes[path] = (current, last)
+        return last
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         seconds = to_seconds(timeout, self._timeout)

@@ -1,0 +1,73 @@
+"""EtcdStore passes the Store contract against a real etcd (each version installed).
+
+One etcd runs per version for the whole session; each test gets a fresh key prefix on it, and
+"other process" peers are ``_child.py`` processes with their own EtcdStore.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import Any, Iterator
+
+import pytest
+from contract import StoreContract
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "etcd"))
+from etcd_testing import etcd_params, require_etcd  # noqa: E402
+
+from rdzv.etcd import LocalEtcd  # noqa: E402
+from rdzv.store import EtcdStore, Store  # noqa: E402
+
+CHILD_SESSION_TTL = 2.0
+
+
+@pytest.fixture(scope="session", params=etcd_params())
+def etcd_server(request: pytest.FixtureRequest) -> Iterator[LocalEtcd]:
+    with LocalEtcd(binary=require_etcd(request.param)) as server:
+        yield server
+
+
+class EtcdStoreFactory:
+    """Clients of one fresh key prefix on a shared etcd."""
+
+    session_ttl = CHILD_SESSION_TTL
+
+    def __init__(self, server: LocalEtcd) -> None:
+        self.kwargs: dict[str, Any] = {
+            "endpoints": server.endpoint,
+            "prefix": f"contract-{uuid.uuid4().hex[:12]}/",
+            "session_ttl": CHILD_SESSION_TTL,
+        }
+        self.clients: list[EtcdStore] = []
+
+    def new_client(self) -> Store:
+        client = EtcdStore(**self.kwargs)
+        self.clients.append(client)
+        return client
+
+    def child_spec(self) -> dict[str, Any]:
+        return {"factory": "rdzv.store:EtcdStore", "kwargs": self.kwargs}
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+class TestEtcdStore(StoreContract):
+    @pytest.fixture
+    def store_factory(self, etcd_server: LocalEtcd) -> Iterator[EtcdStoreFactory]:
+        factory = EtcdStoreFactory(etcd_server)
+        yield factory
+        factory.close()
+
+    def test_keys_live_under_the_prefix(self, store_factory: EtcdStoreFactory, etcd_server: LocalEtcd) -> None:
+        store = store_factory.new_client()
+        store.set("k", "v")
+        whole = EtcdStore(etcd_server.endpoint)
+        try:
+            assert whole.get(store_factory.kwargs["prefix"] + "k") == b"v"
+            assert whole.num_keys() > store.num_keys() == 1
+        finally:
+            whole.close()
