@@ -273,6 +273,7 @@ class FileStore(Store):
             os.replace(temp, self.file_name)
         except OSError as exc:
             os.close(fd)
+            os.unlink(temp)
             logger.warning("FileStore %s: compaction failed, keeping the log: %s", self.file_name, exc)
             return
         logger.debug("FileStore %s: compacted to %d bytes", self.file_name, header.data_start)
