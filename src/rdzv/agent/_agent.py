@@ -32,7 +32,15 @@ from ..errors import (
 from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ._config import LaunchConfig
 from ._errors import WorkerFailure, failure_summary, read_error_file
-from ._round import Assignment, MembershipChanged, MembershipWatcher, assign, exit_barrier
+from ._round import (
+    Assignment,
+    MembershipChanged,
+    MembershipWatcher,
+    all_done,
+    assign,
+    mark_done,
+    wait_all_done,
+)
 from ._workers import WorkerExited, WorkerGroup, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -43,7 +51,7 @@ PROGRESS_INTERVAL = 10.0
 ASSIGN_TIMEOUT = 60.0
 """Seconds a node waits for the other nodes of a formed round to exchange their worker counts."""
 EXIT_BARRIER_TIMEOUT = 300.0
-"""Seconds a node whose workers succeeded waits for the other nodes to finish too (torch's)."""
+"""Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 WATCH_SLICE = 5.0
 """Longest single wait of the membership watcher (a change wakes it at once)."""
 
@@ -69,6 +77,14 @@ class RoundFormed:
 
 
 @dataclass(frozen=True)
+class AllDone:
+    """Event: every node of round ``generation`` has finished (or the wait for them timed out)."""
+
+    generation: int
+    complete: bool
+
+
+@dataclass(frozen=True)
 class Signalled:
     """Event: the agent received ``signum``."""
 
@@ -85,9 +101,16 @@ def on_worker_exit(returncodes: Mapping[int, int | None], restarts: int, max_res
     return Action.CONTINUE
 
 
-def on_membership_change(closed: bool) -> Action:
-    """A closed rendezvous forms no new round: the workers run on to their end."""
-    return Action.CONTINUE if closed else Action.REFORM
+def on_membership_change(closed: bool, finished: bool) -> Action:
+    """The decision when the membership changed; ``finished``: this node's workers succeeded.
+
+    A closed rendezvous (or a round whose nodes all finished) forms no new round: running
+    workers run on to their end. Otherwise the group re-forms, also when this node's workers
+    already succeeded: another node is restarting the job, which restarts every worker.
+    """
+    if closed:
+        return Action.SUCCEED if finished else Action.CONTINUE
+    return Action.REFORM
 
 
 def worker_env(config: LaunchConfig, assignment: Assignment, local_rank: int, restarts: int,
@@ -136,7 +159,6 @@ class ElasticAgent:
         self.log_root = ""
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._generation = 0
-        self._interrupt_on_signal = False
 
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -158,8 +180,6 @@ class ElasticAgent:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._events.put(Signalled(signum))  # SimpleQueue.put is safe in a signal handler
-        if self._interrupt_on_signal:
-            raise _Interrupted(signum)
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -171,9 +191,6 @@ class ElasticAgent:
         with self._signals():
             try:
                 return self._run()
-            except _Interrupted as stop:
-                self.say(f"{signal.Signals(stop.signum).name} received: leaving")
-                return 128 + stop.signum
             finally:
                 self._shutdown_handler()
 
@@ -195,11 +212,12 @@ class ElasticAgent:
                      f"{assignment.world_size}; this node is group rank {assignment.group_rank} "
                      f"with global ranks {assignment.rank_offset}..{last}")
             group = self._start_workers(assignment)
-            action, signum = self._monitor(group)
+            action, signum = self._monitor(group, info)
             if action is Action.SUCCEED:
                 group.stop(timeout=config.stop_timeout)
-                self.say(f"all {config.nproc_per_node} worker(s) of this node succeeded")
-                return self._finish(info)
+                self._close()
+                self.say("every node has finished; this node's workers succeeded")
+                return 0
             if action is Action.LEAVE:
                 name = signal.Signals(signum).name
                 self.say(f"{name} received: stopping the workers (grace {config.stop_timeout:g} "
@@ -212,7 +230,7 @@ class ElasticAgent:
                 reason = (f"workers failed after {self.restarts} restart(s) (--max-restarts "
                           f"{config.max_restarts})")
                 print(failure_summary(failures, reason), file=sys.stderr, flush=True)
-                self._close()
+                self._give_up(info)
                 return 1
             if action is Action.RESTART:
                 self.restarts += 1
@@ -222,8 +240,8 @@ class ElasticAgent:
                 self.say(f"{why}; restarting the workers (restart {self.restarts} of "
                          f"{config.max_restarts})")
             else:
-                self.say("the membership changed (a node joined, left or was lost); re-forming "
-                         "the group (not counted as a restart)")
+                self.say(f"{self._membership_news()}: re-forming the group (not counted as a "
+                         "restart)")
 
     def _rendezvous(self) -> RendezvousInfo | int:
         """Join the next round, reacting to signals meanwhile: the round or an exit code."""
@@ -279,34 +297,72 @@ class ElasticAgent:
         self.say(f"started {len(specs)} worker(s) (pids {pids}); logs in {attempt_dir}")
         return group
 
-    def _monitor(self, group: WorkerGroup) -> tuple[Action, int]:
-        """Wait for the event that ends this group's run: (action, signal number if LEAVE)."""
-        watcher = MembershipWatcher(self.handler, self._events, self._generation,
+    def _monitor(self, group: WorkerGroup, info: RendezvousInfo) -> tuple[Action, int]:
+        """Wait for the event that ends this group's run: (action, signal number if LEAVE).
+
+        When this node's workers have all succeeded it waits, still watching the membership,
+        until every node of the round has finished too.
+        """
+        generation = self._generation
+        watcher = MembershipWatcher(self.handler, self._events, generation,
                                     max(WATCH_SLICE, self.config.monitor_interval))
         watcher.start()
+        finished = False
         try:
             while True:
                 event = self._events.get()
                 if isinstance(event, Signalled):
                     return Action.LEAVE, event.signum
-                if isinstance(event, WorkerExited) and event.generation == self._generation:
+                if getattr(event, "generation", None) != generation:
+                    continue  # an event of an earlier round
+                if isinstance(event, WorkerExited):
                     codes = group.returncodes()
                     failed = any(code not in (None, 0) for code in codes.values())
                     closed = failed and self.handler.is_closed()
                     action = on_worker_exit(codes, self.restarts, self.config.max_restarts,
                                             closed)
-                elif isinstance(event, MembershipChanged) and event.generation == self._generation:
-                    closed = self.handler.is_closed()
-                    action = on_membership_change(closed)
-                    if closed:
+                    if action is Action.SUCCEED:
+                        finished = True
+                        self.say(f"all {len(codes)} worker(s) of this node succeeded; waiting "
+                                 "for the other nodes to finish")
+                        self._wait_all_done_in_background(info, generation)
+                        continue
+                elif isinstance(event, MembershipChanged):
+                    closed = self.handler.is_closed() or all_done(info)
+                    action = on_membership_change(closed, finished)
+                    if action is Action.CONTINUE:
                         self.say("the rendezvous was closed by another node; waiting for this "
                                  "node's workers to finish")
+                elif isinstance(event, AllDone):
+                    if not event.complete:
+                        self.say(f"not every node finished within {EXIT_BARRIER_TIMEOUT:g} s; "
+                                 "leaving anyway")
+                    action = Action.SUCCEED
                 else:
-                    continue  # an event of an earlier round
+                    continue
                 if action is not Action.CONTINUE:
                     return action, 0
         finally:
             watcher.stop()
+
+    def _wait_all_done_in_background(self, info: RendezvousInfo, generation: int) -> None:
+        def wait() -> None:
+            try:
+                mark_done(info)
+                complete = wait_all_done(info, EXIT_BARRIER_TIMEOUT)
+            except RendezvousError as exc:
+                logger.warning("cannot wait for the other nodes to finish: %s", exc)
+                complete = False
+            self._events.put(AllDone(generation, complete))
+
+        threading.Thread(target=wait, daemon=True, name=f"rdzv-done-{generation}").start()
+
+    def _membership_news(self) -> str:
+        try:
+            waiting = self.handler.num_nodes_waiting()
+        except RendezvousError:
+            waiting = 0
+        return f"{waiting} node(s) waiting to join" if waiting else "a node left or was lost"
 
     def _failures(self, group: WorkerGroup) -> list[WorkerFailure]:
         """The workers of ``group`` that have failed so far, earliest first."""
@@ -325,19 +381,13 @@ class ElasticAgent:
         return sorted(failures, key=lambda f: f.time)
 
     # -- ending ---------------------------------------------------------------------------------
-    def _finish(self, info: RendezvousInfo) -> int:
-        """Close the rendezvous and wait for the other nodes before leaving (they may need the
-        store this node hosts)."""
-        self._close()
-        self._interrupt_on_signal = True
+    def _give_up(self, info: RendezvousInfo) -> None:
+        """Close the rendezvous; count this node as finished so nobody waits for it."""
         try:
-            if exit_barrier(info, EXIT_BARRIER_TIMEOUT):
-                self.say("every node has finished; done")
+            mark_done(info)
         except RendezvousError as exc:
-            self.say(f"could not wait for the other nodes to finish: {exc}")
-        finally:
-            self._interrupt_on_signal = False
-        return 0
+            logger.warning("cannot mark this node as finished: %s", exc)
+        self._close()
 
     def _close(self) -> None:
         try:
@@ -350,11 +400,3 @@ class ElasticAgent:
             self.handler.shutdown()
         except RendezvousError as exc:
             logger.warning("leaving the rendezvous failed: %s", exc)
-
-
-class _Interrupted(BaseException):
-    """A signal arrived while the agent was blocked outside its event loop."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum

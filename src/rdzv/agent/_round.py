@@ -122,16 +122,24 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     )
 
 
-def exit_barrier(info: RendezvousInfo, timeout: float) -> bool:
+def mark_done(info: RendezvousInfo) -> None:
+    """Count this node as finished in its round (the last one to finish sets ``all-done``)."""
+    if info.store.add(DONE_COUNT_KEY, 1) >= info.world_size:
+        info.store.set(ALL_DONE_KEY, b"1")
+
+
+def all_done(info: RendezvousInfo) -> bool:
+    """Whether every node of the round has finished."""
+    return info.store.check([ALL_DONE_KEY])
+
+
+def wait_all_done(info: RendezvousInfo, timeout: float) -> bool:
     """Wait (at most ``timeout`` s) until every node of the round has finished; whether all did.
 
     A node hosting the store must not leave while others still need it.
     """
-    store = info.store
-    if store.add(DONE_COUNT_KEY, 1) >= info.world_size:
-        store.set(ALL_DONE_KEY, b"1")
     try:
-        store.wait([ALL_DONE_KEY], timeout)
+        info.store.wait([ALL_DONE_KEY], timeout)
         return True
     except RendezvousError as exc:
         logger.warning("not every node finished within %.3g s: %s", timeout, exc)
