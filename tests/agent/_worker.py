@@ -1,0 +1,55 @@
+"""A worker for the agent tests: records its env as JSON, then exits as the test asks.
+
+Usage: _worker.py OUT_DIR [--fail-rank R] [--until FILE] [--ignore-term] [--sleep S]
+Writes OUT_DIR/<RANK>-<pid>.json with the worker env, then: rank R raises (recorded with
+``rdzv.agent.record``); with --until it runs until FILE exists (at most 120 s); with
+--ignore-term it ignores SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+from rdzv.agent import record
+
+NAMES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
+)
+MAX_RUN = 120.0
+
+
+@record
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--fail-rank", type=int, default=None)
+    parser.add_argument("--until", default=None)
+    parser.add_argument("--ignore-term", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    env = {name: os.environ.get(name) for name in NAMES}
+    env["pid"] = os.getpid()
+    path = os.path.join(args.out, f"{env['RANK']}-{os.getpid()}.json")
+    with open(path + ".tmp", "w") as handle:
+        json.dump(env, handle)
+    os.replace(path + ".tmp", path)
+    print(f"worker rank {env['RANK']} started", flush=True)
+    time.sleep(args.sleep)
+    if args.fail_rank is not None and int(env["RANK"]) == args.fail_rank:
+        raise ValueError(f"rank {args.fail_rank} fails on purpose")
+    deadline = time.monotonic() + MAX_RUN
+    while args.until and not os.path.exists(args.until) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Real agents (``python -m rdzv.run``) and workers on loopback: env, restarts, elasticity, signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from conftest import WORKER, wait_for, worker_records
+
+JOIN = 60.0
+"""Seconds for a round to form and its workers to start on a loaded machine."""
+
+
+@pytest.fixture(params=["file"])
+def rdzv(request: Any, tmp_path: Any) -> Any:
+    """Rendezvous flags for one run of a given backend, and the workers' output directory."""
+
+    class Run:
+        backend = request.param
+        out = tmp_path / "out"
+        stop_file = str(tmp_path / "stop")
+
+        def args(self, nnodes: str, nproc: int = 2, *extra: str, conf: str = "") -> list[str]:
+            settings = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
+            return [
+                "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+                "--rdzv-backend", self.backend, "--rdzv-endpoint", str(tmp_path / "rdzv"),
+                "--rdzv-id", "job", "--rdzv-conf", settings + ("," + conf if conf else ""),
+                "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"),
+                "--stop-timeout", "5", *extra,
+            ]
+
+        def worker(self, *extra: str) -> list[str]:
+            return [WORKER, str(self.out), *extra]
+
+        def running(self, world_size: int) -> list[dict[str, Any]]:
+            """The records of a complete group of ``world_size`` workers (waits for them)."""
+
+            def complete() -> list[dict[str, Any]] | None:
+                latest: dict[str, dict[str, Any]] = {}
+                for record in worker_records(str(self.out)):
+                    if record["WORLD_SIZE"] == str(world_size):
+                        latest[record["RANK"]] = record
+                return list(latest.values()) if len(latest) == world_size else None
+
+            return wait_for(complete, JOIN, f"{world_size} workers of a group of {world_size}")
+
+    run = Run()
+    run.out.mkdir()
+    return run
+
+
+def test_two_agents_give_their_workers_torch_env(agents: Any, rdzv: Any) -> None:
+    nodes = [agents.start(rdzv.args("2", 2) + rdzv.worker()) for _ in range(2)]
+    assert [node.wait() for node in nodes] == [0, 0], nodes[0].output() + nodes[1].output()
+    records = worker_records(str(rdzv.out))
+    assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2, 3]
+    for record in records:
+        rank, local = int(record["RANK"]), int(record["LOCAL_RANK"])
+        assert record["WORLD_SIZE"] == "4" and record["LOCAL_WORLD_SIZE"] == "2"
+        assert record["GROUP_WORLD_SIZE"] == "2"
+        assert rank == int(record["GROUP_RANK"]) * 2 + local
+        assert record["ROLE_NAME"] == "default" and record["ROLE_RANK"] == str(rank)
+        assert record["ROLE_WORLD_SIZE"] == "4"
+        assert record["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert record["TORCHELASTIC_RUN_ID"] == "job"
+        assert record["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert record["OMP_NUM_THREADS"] == "1"
+        assert record["TORCHELASTIC_ERROR_FILE"].endswith(f"{local}/error.json")
+    assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in records}) == 1
+    assert records[0]["MASTER_ADDR"] == "127.0.0.1" and int(records[0]["MASTER_PORT"]) > 0
+    for node in nodes:
+        text = node.output()
+        assert "round complete: 2 node(s), world size 4" in text
+        assert "worker rank" in text and "]:worker rank" in text  # teed with a [rank]: prefix
+
+
+def test_a_crashing_worker_is_restarted_then_the_run_fails_with_a_summary(
+    agents: Any, rdzv: Any
+) -> None:
+    args = rdzv.args("2", 2, "--max-restarts", "2") + rdzv.worker("--fail-rank", "3")
+    nodes = [agents.start(args) for _ in range(2)]
+    codes = [node.wait() for node in nodes]
+    failed = nodes[codes.index(1)] if 1 in codes else None
+    assert failed is not None, f"exit codes {codes}:\n{nodes[0].output()}{nodes[1].output()}"
+    text = failed.output()
+    assert "restart 1 of 2" in text and "restart 2 of 2" in text
+    assert "rdzv run failed: workers failed after 2 restart(s)" in text
+    assert "root cause: global rank 3 (local rank 1" in text
+    assert "exit code 1" in text
+    assert "ValueError: rank 3 fails on purpose" in text
+    assert 'in main' in text  # the worker's traceback from its error file
+    log = text.split("  logs:", 1)[1].split(",")[0].strip()
+    assert log.endswith("stdout.log") and os.path.isfile(log)
+    with open(log) as handle:
+        assert "worker rank 3 started" in handle.read()
+    attempts = [r for r in worker_records(str(rdzv.out)) if r["RANK"] == "3"]
+    assert sorted(r["TORCHELASTIC_RESTART_COUNT"] for r in attempts) == ["0", "1", "2"]
+
+
+def test_a_third_agent_joining_mid_run_grows_the_group_to_six(agents: Any, rdzv: Any) -> None:
+    args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
+    nodes = [agents.start(args) for _ in range(2)]
+    rdzv.running(4)
+    nodes.append(agents.start(args))
+    records = rdzv.running(6)
+    assert sorted(int(r["RANK"]) for r in records) == list(range(6))
+    assert {r["GROUP_WORLD_SIZE"] for r in records} == {"3"}
+    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"0"}  # not a failure
+    open(rdzv.stop_file, "w").close()
+    assert [node.wait() for node in nodes] == [0, 0, 0]
+    assert "waiting to join: re-forming the group" in nodes[0].output()
+
+
+def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
+    agents: Any, rdzv: Any
+) -> None:
+    args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
+    nodes = [agents.start(args) for _ in range(3)]
+    records = rdzv.running(6)
+    victim_rank = "2"
+    victim = next(n for n in nodes if n.output().count("this node is group rank " + victim_rank))
+    victim_workers = [r["pid"] for r in records if r["GROUP_RANK"] == victim_rank]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    records = rdzv.running(4)
+    assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2, 3]
+    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid)
+                             for pid in victim_workers), 10, "the killed agent's workers to die")
+    open(rdzv.stop_file, "w").close()
+    survivors = [n for n in nodes if n is not victim]
+    assert [node.wait() for node in survivors] == [0, 0]
+
+
+def test_sigterm_makes_an_agent_leave_cleanly_and_the_others_reform(
+    agents: Any, rdzv: Any
+) -> None:
+    args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
+    nodes = [agents.start(args) for _ in range(3)]
+    rdzv.running(6)
+    leaving = nodes[1]
+    leaving.signal(signal.SIGTERM)
+    assert leaving.wait() == 128 + signal.SIGTERM
+    assert "SIGTERM received: stopping the workers" in leaving.output()
+    rdzv.running(4)
+    open(rdzv.stop_file, "w").close()
+    assert [nodes[0].wait(), nodes[2].wait()] == [0, 0]
+
+
+def _alive(pid: int) -> bool:
+    from conftest import pid_alive
+
+    return pid_alive(pid)
