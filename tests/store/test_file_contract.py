@@ -177,3 +177,20 @@ def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "no-such-dir" / "store"
     with pytest.raises(StoreConnectionError, match="no-such-dir"):
         FileStore(path)
+
+
+def test_writer_killed_mid_stream_leaves_a_consistent_store(factory: FileStoreFactory) -> None:
+    from _peers import ProcessPeer
+
+    store = factory.new_client()
+    peer = ProcessPeer(factory.child_spec())
+    try:
+        peer.call("set", "ready", "1")
+        peer.request("add_many", "counter", 1, 100_000)
+        eventually(lambda: int(store.try_get("counter") or 0) > 100, 60, "the child is adding")
+        peer.kill()
+        counted = int(store.get("counter"))
+        assert store.add("counter", 1) == counted + 1
+        assert factory.new_client().get("counter") == str(counted + 1).encode()
+    finally:
+        peer.close()
