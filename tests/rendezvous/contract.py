@@ -113,10 +113,26 @@ class RendezvousContract:
 
     # -- fault tolerance ------------------------------------------------------------------------
     def test_node_dying_before_completion_is_dropped(self, cluster):
-        nodes = [cluster.node(2, 4, last_call_timeout=3.0) for _ in range(3)]
+        a, doomed = [cluster.node(2, 3, last_call_timeout=LONG) for _ in range(2)]
+        first = a.request("next")
+        doomed.request("next")
+        eventually(lambda: a.call("waiting") == 2, AT_ONCE, "two joined")
+        doomed.kill()
+        eventually(lambda: a.call("waiting") == 1, AT_ONCE, "the dead node is dropped")
+        b = cluster.node(2, 3, last_call_timeout=LONG)
+        second = b.request("next")
+        time.sleep(0.3)
+        assert not first.done(), "the dead node was counted towards max_nodes"
+        c = cluster.node(2, 3, last_call_timeout=LONG)
+        third = c.request("next")
+        check_round([first.result(AT_ONCE), second.result(AT_ONCE), third.result(AT_ONCE)], 3)
+
+    def test_round_completes_without_a_node_that_died_in_the_last_call(self, cluster):
+        nodes = [cluster.node(2, 4, last_call_timeout=2.0) for _ in range(3)]
         pending = [n.request("next") for n in nodes]
         eventually(lambda: nodes[0].call("waiting") == 3, AT_ONCE, "three joined")
         nodes[2].kill()
+        eventually(lambda: nodes[0].call("waiting") == 2, AT_ONCE, "the dead node is dropped")
         check_round([p.result(AT_ONCE) for p in pending[:2]], 2)
 
     def test_member_killed_after_completion_is_noticed_and_replaced(self, cluster):

@@ -3,9 +3,9 @@
 The rules live in ``_decisions.py`` and the key layout in ``_layout.py``; this module only does
 the I/O. A node in a forming round loops: read the round's control keys and O(1) counts, call
 :func:`decide`, carry out the step, and wait on the store's change notification of the round's
-``ctl/`` directory (``Store.watch``) until the step's wake-up time. Stores without ``watch``
-(FileStore) are waited on with their blocking ``wait`` on the round's status key, bounded by
-``poll_interval`` so the other control keys are re-read at least that often.
+``ctl/`` directory (``Store.watch``) until the step's wake-up time. Every wait is one blocking
+``watch`` call bounded by the step's deadline. On a store without the ``watch`` capability
+(FileStore) that call is the store's own bounded poll of the file (1 ms backing off to 50 ms).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from ..errors import (
     RendezvousError,
     RendezvousStateError,
     RendezvousTimeoutError,
-    StoreTimeoutError,
 )
 from ..store import PrefixStore, Store
 from ._api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
@@ -42,10 +41,6 @@ from ._layout import (
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_POLL_INTERVAL = 0.05
-"""How often a store without ``watch`` is re-read while waiting (seconds)."""
-
 
 @dataclass(frozen=True)
 class Membership:
@@ -86,7 +81,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         local_addr: str | None = None,
         join_timeout: float = 600.0,
         last_call_timeout: float = 30.0,
-        poll_interval: float = DEFAULT_POLL_INTERVAL,
         on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         caps = store.capabilities
@@ -103,7 +97,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._host = local_addr or socket.getfqdn()
         self._join_timeout = float(join_timeout)
-        self._poll_interval = poll_interval
         self._on_shutdown = on_shutdown
         self._node_id = f"{self._host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._member: Membership | None = None
@@ -158,13 +151,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + timeout
         path = self._keys.round(member.round + 1)
         while True:
-            since = self._store.revision(path) if self._store.capabilities.watch else 0
+            since = self._store.revision(path)
             if self._membership_changed(member):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._wait_change(path, since, remaining, self._keys.status(member.round + 1))
+            self._store.watch(path, since, remaining)
 
     def shutdown(self) -> bool:
         """Leave: delete this node's liveness keys (peers see it at once), release the backend."""
@@ -216,7 +209,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._stale = []
         armed_since: float | None = None
         while True:
-            since = store.revision(keys.ctl(r)) if store.capabilities.watch else 0
+            since = store.revision(keys.ctl(r))
             view, decision = self._observe(r)
             now = time.monotonic()
             step = decide(view, self._rules, now, deadline, armed_since)
@@ -236,7 +229,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
                 if not self._try_seal(r):  # another node holds the sealer lock: wait for it
-                    self._wait_change(keys.ctl(r), since, deadline - now, keys.status(r))
+                    store.watch(keys.ctl(r), since, max(0.0, deadline - now))
             elif step.action is Action.COLLECT:
                 assert isinstance(decision, Decision)
                 info = self._collect(r, index, decision, previous)
@@ -244,7 +237,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     self._leave_round()
                 return info
             else:
-                self._wait_change(keys.ctl(r), since, step.wake_at - now, keys.status(r))
+                store.watch(keys.ctl(r), since, max(0.0, step.wake_at - now))
 
     def _observe(self, r: int) -> tuple[RoundView, Decision | bool | None]:
         store, keys = self._store, self._keys
@@ -343,14 +336,3 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _delete(self, keys: list[str]) -> None:
         for key in keys:
             self._store.delete_key(key)
-
-    def _wait_change(self, path: str, since: int, timeout: float, status_key: str) -> None:
-        """Wait until ``path`` changes after ``since`` (or ``timeout`` seconds pass)."""
-        timeout = max(0.0, timeout)
-        if self._store.capabilities.watch:
-            self._store.watch(path, since, timeout)
-            return
-        try:
-            self._store.wait([status_key], min(timeout, self._poll_interval))
-        except StoreTimeoutError:
-            pass

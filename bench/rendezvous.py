@@ -1,0 +1,346 @@
+"""Rendezvous speed: rdzv's tcp backend against torch's c10d backend, side by side.
+
+Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--no-torch]``
+
+How nodes are simulated: every node is a thread with its own handler and its own store
+connection (rdzv: a TCPStore client with its session; torch: a TCPStore client), and the threads
+are spread over up to ``--procs`` worker processes (default 4), all on 127.0.0.1. rdzv's store
+server runs in its own process; torch's TCPStore server (C++) in this one. Workers start their
+threads at one instant of CLOCK_MONOTONIC (shared by the processes of a machine) and report when
+their last node returned; a time is the latest return minus the start.
+
+Scenarios:
+
+* barrier: N nodes call next_rendezvous together, min_nodes = max_nodes = N.
+* scale-out: 8 members formed a round (max_nodes 9); a late node calls next_rendezvous. "seen"
+  is the time until a member notices it (rdzv: wait_for_membership_change returns; torch:
+  num_nodes_waiting() > 0, polled every millisecond); "new round" is the time from the members
+  calling next_rendezvous until all 9 returned.
+* failure: 8 members (7 threads in one process, 1 in another, min 2, max 8) formed a round; the
+  lone process is SIGKILLed. Time until the 7 survivors completed a new round, default timeouts
+  (rdzv: survivors learn of the death from wait_for_membership_change; torch has no such call,
+  so its survivors call next_rendezvous at once, which only favours torch).
+
+torch is skipped above 128 nodes: its c10d backend did not finish at 256 (every node rewrites
+one shared state value with compare-and-set, retrying on conflicts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+HOST = "127.0.0.1"
+HERE = os.path.abspath(__file__)
+REPLY_TIMEOUT = 600.0
+
+
+# -- worker processes ---------------------------------------------------------------------------
+def _rdzv_handler(spec: dict[str, Any]) -> Any:
+    from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
+
+    options = {"is_host": False, **spec.get("options", {})}
+    return get_rendezvous_handler(RendezvousParameters(
+        "tcp", f"{HOST}:{spec['port']}", spec["run_id"], spec["min"], spec["max"],
+        local_addr=HOST, **options,
+    ))
+
+
+def _torch_handler(spec: dict[str, Any]) -> Any:
+    from datetime import timedelta
+
+    warnings.filterwarnings("ignore")
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+
+    store = TCPStore(HOST, spec["port"], is_master=False, timeout=timedelta(seconds=600))
+    backend = C10dRendezvousBackend(store, spec["run_id"])
+    timeout = RendezvousTimeout(**{k: timedelta(seconds=v) for k, v in spec.get("timeouts", {}).items()})
+    return DynamicRendezvousHandler.from_backend(
+        spec["run_id"], store, backend, spec["min"], spec["max"], local_addr=HOST, timeout=timeout
+    )
+
+
+def _next_all(handlers: list[Any], at: float) -> dict[str, Any]:
+    ends = [0.0] * len(handlers)
+    ranks: list[Any] = [None] * len(handlers)
+    errors: list[str] = []
+
+    def node(i: int) -> None:
+        time.sleep(max(0.0, at - time.monotonic()))
+        try:
+            info = handlers[i].next_rendezvous()
+            ranks[i] = (info.rank, info.world_size)
+        except Exception as exc:  # reported in the table
+            errors.append(f"{type(exc).__name__}: {exc}")
+        ends[i] = time.monotonic()
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(len(handlers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REPLY_TIMEOUT)
+    return {"end": max(ends), "ranks": ranks, "errors": errors[:3]}
+
+
+def _watch(handler: Any, impl: str) -> float:
+    if impl == "rdzv":
+        if not handler.wait_for_membership_change(120.0):
+            raise TimeoutError("no membership change within 120 s")
+        return time.monotonic()
+    deadline = time.monotonic() + 120.0
+    while handler.num_nodes_waiting() == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no waiting node within 120 s")
+        time.sleep(0.001)
+    return time.monotonic()
+
+
+def worker_main(spec: dict[str, Any]) -> None:
+    threading.stack_size(256 * 1024)
+    make = _rdzv_handler if spec["impl"] == "rdzv" else _torch_handler
+    handlers = [make(spec) for _ in range(spec["count"])]
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "next":
+            print(json.dumps(_next_all(handlers, command["at"])), flush=True)
+        elif command["op"] == "watch":
+            print(json.dumps({"seen": _watch(handlers[0], spec["impl"])}), flush=True)
+    os._exit(0)  # torch's keep-alive threads and 1000s of sockets: leave without teardown
+
+
+def serve_main() -> None:
+    from rdzv.server._server import StoreServer, raise_nofile_limit
+
+    raise_nofile_limit()
+    server = StoreServer(HOST, 0).start()
+    print(json.dumps({"port": server.port}), flush=True)
+    sys.stdin.read()
+    server.stop()
+
+
+# -- the driver ---------------------------------------------------------------------------------
+class Worker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, HERE, "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.process.pid} exited ({self.process.poll()})")
+        return json.loads(line)
+
+    def send(self, **command: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.close()
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait(timeout=30)
+
+
+class Server:
+    """rdzv's store server in a process, or torch's TCPStore server in this one."""
+
+    def __init__(self, impl: str) -> None:
+        self.impl = impl
+        self.process: subprocess.Popen[str] | None = None
+        if impl == "rdzv":
+            self.process = subprocess.Popen(
+                [sys.executable, HERE, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert self.process.stdout is not None
+            self.port = json.loads(self.process.stdout.readline())["port"]
+        else:
+            from datetime import timedelta
+
+            warnings.filterwarnings("ignore")
+            from torch.distributed import TCPStore
+
+            self.store = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=600),
+                                  wait_for_workers=False)
+            self.port = self.store.port
+
+    def close(self) -> None:
+        if self.process is not None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+        else:
+            del self.store
+
+
+def start_workers(impl: str, port: int, counts: list[int], **spec: Any) -> list[Worker]:
+    workers = [Worker({"impl": impl, "port": port, "count": c, **spec}) for c in counts]
+    for worker in workers:
+        assert worker.read() == {"ready": True}
+    return workers
+
+
+def split(total: int, procs: int) -> list[int]:
+    procs = max(1, min(procs, total))
+    return [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
+
+
+def next_round(workers: list[Worker], lead: float = 0.5) -> tuple[float, list[Any]]:
+    """Every node of ``workers`` calls next_rendezvous at one instant: (seconds, results)."""
+    at = time.monotonic() + lead
+    for worker in workers:
+        worker.send(op="next", at=at)
+    results = [worker.read() for worker in workers]
+    errors = [e for r in results for e in r["errors"]]
+    if errors:
+        raise RuntimeError(f"next_rendezvous failed: {errors[0]}")
+    return max(r["end"] for r in results) - at, [x for r in results for x in r["ranks"]]
+
+
+def check(ranks: list[Any], world: int) -> None:
+    assert sorted(r for r, _ in ranks if r is not None and r < world) == list(range(world)), ranks
+    assert {w for _, w in ranks} == {world}
+
+
+def bench_barrier(impl: str, n: int, procs: int, run: int) -> float:
+    server = Server(impl)
+    workers = start_workers(impl, server.port, split(n, procs), run_id=f"barrier{run}",
+                            min=n, max=n, options={}, timeouts={})
+    try:
+        seconds, ranks = next_round(workers, lead=0.5 + n / 5000)
+        check(ranks, n)
+        return seconds
+    finally:
+        for worker in workers:
+            worker.close()
+        server.close()
+
+
+def bench_scale_out(impl: str, procs: int) -> tuple[float, float]:
+    server = Server(impl)
+    setup = {"options": {"last_call_timeout": 1.0}, "timeouts": {"last_call": 1.0}}
+    members = start_workers(impl, server.port, split(8, procs), run_id="scale", min=8, max=9,
+                            **setup)
+    late = start_workers(impl, server.port, [1], run_id="scale", min=8, max=9, **setup)[0]
+    try:
+        check(next_round(members)[1], 8)
+        members[0].send(op="watch")
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        late.send(op="next", at=t0)
+        seen = members[0].read()["seen"] - t0
+        seconds, ranks = next_round(members, lead=0.0)
+        ranks += late.read()["ranks"]
+        check(ranks, 9)
+        return seen, seconds
+    finally:
+        for worker in members + [late]:
+            worker.close()
+        server.close()
+
+
+def bench_failure(impl: str) -> float:
+    server = Server(impl)
+    survivors = start_workers(impl, server.port, [7], run_id="fail", min=2, max=8)[0]
+    victim = start_workers(impl, server.port, [1], run_id="fail", min=2, max=8)[0]
+    try:
+        check(next_round([survivors, victim])[1], 8)
+        if impl == "rdzv":
+            survivors.send(op="watch")
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        victim.process.send_signal(signal.SIGKILL)
+        victim.process.wait(timeout=30)
+        if impl == "rdzv":
+            survivors.read()
+        survivors.send(op="next", at=time.monotonic())
+        result = survivors.read()
+        if result["errors"]:
+            raise RuntimeError(result["errors"][0])
+        check(result["ranks"], 7)
+        return result["end"] - t0
+    finally:
+        survivors.close()
+        victim.close()
+        server.close()
+
+
+def fmt(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def ratio(torch_s: float | None, rdzv_s: float) -> str:
+    return "-" if torch_s is None else f"{torch_s / rdzv_s:.0f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="2,8,32,128,1000,10000")
+    parser.add_argument("--procs", type=int, default=4, help="worker processes per scenario")
+    parser.add_argument("--no-torch", action="store_true", help="rdzv only")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker_main(json.loads(args.worker))
+    if args.serve:
+        return serve_main()
+    with_torch = not args.no_torch
+    if with_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("torch is not installed: rdzv only (pip install torch==2.13.0 for the comparison)")
+            with_torch = False
+
+    print(f"barrier: N nodes call next_rendezvous together (min = max = N), "
+          f"threads over {args.procs} processes")
+    print(f"{'N':>6} | {'rdzv':>10} | {'torch c10d':>10} | ratio")
+    for run, n in enumerate(int(s) for s in args.sizes.split(",")):
+        mine = bench_barrier("rdzv", n, args.procs, run)
+        theirs = bench_barrier("torch", n, args.procs, run) if with_torch and n <= 128 else None
+        note = "" if theirs is not None or not with_torch else " (torch skipped: > 128)"
+        print(f"{n:>6} | {fmt(mine):>10} | {fmt(theirs):>10} | {ratio(theirs, mine)}{note}",
+              flush=True)
+
+    print("\nscale-out: 8 members, a late node arrives (max_nodes 9)")
+    seen, new_round = bench_scale_out("rdzv", args.procs)
+    t_seen, t_round = bench_scale_out("torch", args.procs) if with_torch else (None, None)
+    print(f"{'':>14} | {'rdzv':>10} | {'torch c10d':>10} | ratio")
+    print(f"{'late node seen':>14} | {fmt(seen):>10} | {fmt(t_seen):>10} | {ratio(t_seen, seen)}")
+    print(f"{'new round':>14} | {fmt(new_round):>10} | {fmt(t_round):>10} | "
+          f"{ratio(t_round, new_round)}", flush=True)
+
+    print("\nfailure: 1 of 8 members SIGKILLed, default timeouts: until the survivors' new round")
+    mine = bench_failure("rdzv")
+    theirs = bench_failure("torch") if with_torch else None
+    print(f"{'':>14} | {'rdzv':>10} | {'torch c10d':>10} | ratio")
+    print(f"{'new round':>14} | {fmt(mine):>10} | {fmt(theirs):>10} | {ratio(theirs, mine)}")
+
+
+if __name__ == "__main__":
+    main()
