@@ -197,13 +197,14 @@ class ElasticAgent:
     def _run(self) -> int:
         config = self.config
         while True:
+            joining = time.monotonic()
             info = self._rendezvous()
             if isinstance(info, int):
                 return info
             self._generation += 1
             try:
                 assignment = assign(info, self.handler, config.nproc_per_node, config.role,
-                                    self.host, ASSIGN_TIMEOUT)
+                                    self.host, ASSIGN_TIMEOUT, time.monotonic() - joining)
             except StoreTimeoutError as exc:
                 self.say(f"a node of the new round did not answer ({exc}); re-forming")
                 continue

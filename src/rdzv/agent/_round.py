@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
-import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RendezvousError, RendezvousStateError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ..rendezvous._engine import free_port
+from ..rendezvous._status import AGENT_NODES as NODE_KEY
 from ..store import Store
 
 logger = logging.getLogger(__name__)
 
-NODE_KEY = "agent/node/"
 ASSIGN_KEY = "agent/assign/"
 DONE_COUNT_KEY = "agent/done"
 ALL_DONE_KEY = "agent/all-done"
@@ -56,7 +57,8 @@ class MembershipChanged:
     generation: int
 
 
-def _loads(key: str, raw: bytes) -> dict[str, Any]:
+def loads_entry(key: str, raw: bytes) -> dict[str, Any]:
+    """An agent key's JSON object, or RendezvousStateError naming the key."""
     try:
         data = json.loads(raw)
     except ValueError:
@@ -82,8 +84,10 @@ def plan_assignments(nodes: list[tuple[int, str]]) -> list[dict[str, int]]:
 
 
 def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: str,
-           host: str, timeout: float) -> Assignment:
+           host: str, timeout: float, join_seconds: float) -> Assignment:
     """Exchange (nproc, role) through the round's store and return this node's assignment.
+
+    The entry also says who this node is and how long its join took, for ``rdzv status``.
 
     Raises:
         StoreTimeoutError: a node of the round did not write its entry (or rank 0 its answer)
@@ -92,10 +96,12 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     store: Store = info.store
     store.set_timeout(timeout)
     rank, size = info.rank, info.world_size
-    store.set(f"{NODE_KEY}{rank}", json.dumps({"nproc": nproc, "role": role}))
+    entry = {"nproc": nproc, "role": role, "host": host, "pid": os.getpid(), "time": time.time(),
+             "join_s": round(join_seconds, 6)}
+    store.set(f"{NODE_KEY}{rank}", json.dumps(entry))
     if rank == 0:
         keys = [f"{NODE_KEY}{g}" for g in range(size)]
-        entries = [_loads(k, raw) for k, raw in zip(keys, store.multi_get(keys))]
+        entries = [loads_entry(k, raw) for k, raw in zip(keys, store.multi_get(keys))]
         plans = plan_assignments([(int(e["nproc"]), str(e["role"])) for e in entries])
         bootstrap = info.bootstrap_store_info
         if bootstrap is not None and not handler.use_agent_store:
@@ -109,7 +115,7 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
         mine = plans[0]
     else:
         key = f"{ASSIGN_KEY}{rank}"
-        mine = _loads(key, store.get(key))
+        mine = loads_entry(key, store.get(key))
     return Assignment(
         group_rank=rank,
         group_world_size=size,
@@ -144,11 +150,6 @@ def wait_all_done(info: RendezvousInfo, timeout: float) -> bool:
     except RendezvousError as exc:
         logger.warning("not every node finished within %.3g s: %s", timeout, exc)
         return False
-
-
-def default_host() -> str:
-    """This machine's name as other nodes may reach it (``--local-addr`` overrides it)."""
-    return socket.getfqdn()
 
 
 class MembershipWatcher:

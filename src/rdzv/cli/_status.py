@@ -1,0 +1,102 @@
+"""``rdzv status``: a run at a glance (round, members, liveness, waiting nodes), once or live."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+USAGE_ERROR = 2
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``status`` sub-command."""
+    parser = subparsers.add_parser(
+        "status",
+        help="show the state of a run: round, members, waiting nodes",
+        description="Show a run at a glance, read from its rendezvous store. Give the run as "
+                    "a rendezvous URL (tcp://HOST:PORT/RUN_ID, file:///DIR/RUN_ID) or with "
+                    "--rdzv-backend/--rdzv-endpoint/--rdzv-id as for rdzv run.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("url", nargs="?", help="the run's rendezvous URL")
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", default="tcp")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="")
+    parser.add_argument("--rdzv-id", "--rdzv_id", default=None)
+    parser.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                        help="backend options as key=value,... (e.g. secret_file=PATH)")
+    parser.add_argument("--json", action="store_true", help="print JSON (one object a line)")
+    parser.add_argument("--watch", action="store_true",
+                        help="print again whenever the run changes (Ctrl-C stops)")
+    parser.add_argument("--interval", type=float, default=2.0,
+                        help="with --watch: print at least this often (seconds)")
+    parser.add_argument("--count", type=int, default=0,
+                        help="with --watch: stop after this many reports (0: never)")
+    parser.set_defaults(func=status_command, log_level="WARNING")
+
+
+def _parameters(args: argparse.Namespace) -> Any:
+    from ..agent._config import ConfigError, parse_rdzv_conf
+    from ..rendezvous import RendezvousParameters, parse_rendezvous_url
+
+    if args.url:
+        if args.rdzv_id or args.rdzv_endpoint:
+            raise ValueError("give the run either as a URL or with --rdzv-* flags, not both")
+        url = args.url
+        if not any(f"{name}=" in url for name in ("nnodes", "min_nodes", "world_size")):
+            url += ("&" if "?" in url else "?") + "nnodes=1"  # node counts do not matter here
+        return parse_rendezvous_url(url)
+    if not args.rdzv_id:
+        raise ValueError("which run? give its URL (e.g. tcp://HOST:29400/RUN_ID) or --rdzv-id "
+                         "with --rdzv-backend and --rdzv-endpoint")
+    try:
+        conf = parse_rdzv_conf(args.rdzv_conf)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    backend = "tcp" if args.rdzv_backend == "c10d" else args.rdzv_backend
+    return RendezvousParameters(backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, **conf)
+
+
+def status_command(args: argparse.Namespace) -> int:
+    from ..errors import RendezvousError
+    from ..rendezvous._layout import RunKeys
+    from ..rendezvous._status import format_status, open_store, read_status
+
+    if args.interval <= 0 or args.count < 0:
+        print("rdzv status: error: --interval must be > 0 and --count >= 0", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        params = _parameters(args)
+    except ValueError as exc:
+        print(f"rdzv status: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        store = open_store(params)
+    except (RendezvousError, OSError) as exc:
+        print(f"rdzv status: cannot open the store of run {params.run_id!r} "
+              f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
+        return 1
+    base = RunKeys(params.run_id).base
+    reports = 0
+    try:
+        while True:
+            since = store.revision(base)
+            status = read_status(store, params.run_id)
+            if args.json:
+                print(json.dumps(status.as_dict()), flush=True)
+            else:
+                stamp = f"[{time.strftime('%H:%M:%S')}] " if args.watch else ""
+                print(stamp + format_status(status), flush=True)
+            reports += 1
+            if not args.watch or (args.count and reports >= args.count):
+                return 0
+            store.watch(base, since, args.interval)
+    except KeyboardInterrupt:
+        return 0
+    except RendezvousError as exc:
+        print(f"rdzv status: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()

@@ -1,0 +1,181 @@
+"""Reading the state of a run from its store, for ``rdzv status``: read-only, no handler needed.
+
+It follows the dynamic engine's key layout (``_layout.py``): the last sealed round, its members
+(rank keys) and their liveness (the ``expect`` keys of the next round), the round forming now.
+Hosts, pids and join times come from the entries agents write to the round's own store
+(``round/<r>/user/agent/node/<group rank>``), so runs started without ``rdzv run`` show fewer
+details.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import RendezvousStateError
+from ..store import Store
+from ._api import RendezvousParameters
+from ._layout import RunKeys, decode_int, decode_status
+
+AGENT_NODES = "agent/node/"
+"""Where each agent describes itself in its round's store (one key per group rank)."""
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """A member of the last sealed round."""
+
+    rank: int
+    alive: bool
+    """Its liveness key still exists (its store session is open and heartbeating)."""
+    host: str | None = None
+    pid: int | None = None
+    nproc: int | None = None
+    role: str | None = None
+    started_s_ago: float | None = None
+    """Seconds since its agent finished joining this round."""
+    join_s: float | None = None
+    """How long its join took."""
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A run at a glance."""
+
+    run_id: str
+    closed: bool
+    round: int | None
+    """The last sealed round (None: no round has formed yet)."""
+    world_size: int = 0
+    master: str | None = None
+    members: list[MemberStatus] = field(default_factory=list)
+    forming_round: int = 0
+    waiting: int = 0
+    """Nodes joined to the forming round (newcomers and members coming back)."""
+    rejoined: int = 0
+    armed: bool = False
+    last_round_s: float | None = None
+    """The longest join among the members of the last round (None: unknown)."""
+
+    @property
+    def state(self) -> str:
+        if self.closed:
+            return "closed"
+        if self.round is None:
+            return "forming"
+        if self.waiting:
+            return "re-forming"
+        return "complete"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "state": self.state}
+
+
+def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatus:
+    """The state of run ``run_id`` in ``store``."""
+    keys = RunKeys(run_id)
+    now = time.time() if now is None else now
+    closed = store.try_get(keys.closed) is not None
+    sealed = decode_int(keys.sealed, store.try_get(keys.sealed), -1)
+    forming = sealed + 1
+    common = dict(
+        run_id=run_id,
+        closed=closed,
+        forming_round=forming,
+        waiting=store.count_keys(keys.nodes(forming)),
+        rejoined=store.count_keys(keys.back_dir(forming)),
+        armed=store.try_get(keys.armed(forming)) is not None,
+    )
+    if sealed < 0:
+        return RunStatus(round=None, **common)  # type: ignore[arg-type]
+    decision = decode_status(keys.status(sealed), store.try_get(keys.status(sealed)))
+    world_size, master = 0, None
+    if not isinstance(decision, bool) and decision is not None:
+        world_size = decision.world_size
+        master = f"{decision.master_addr}:{decision.master_port}"
+    rank_dir = keys.round(sealed) + "rank/"
+    alive = {key.rsplit("/", 1)[1] for key in store.list_keys(keys.expect_dir(forming))}
+    agents_dir = f"{keys.user(sealed)}/{AGENT_NODES}"
+    agents: dict[int, dict[str, Any]] = {}
+    for key, raw in store.list_keys(agents_dir).items():
+        try:
+            entry = json.loads(raw)
+            agents[int(key[len(agents_dir):])] = entry if isinstance(entry, dict) else {}
+        except ValueError:
+            continue  # not an agent's entry: show the member without details
+    members = []
+    for key, raw in store.list_keys(rank_dir).items():
+        rank = decode_int(key, raw, -1)
+        entry = agents.get(rank, {})
+        stamp = entry.get("time")
+        members.append(MemberStatus(
+            rank=rank,
+            alive=key[len(rank_dir):] in alive,
+            host=entry.get("host"),
+            pid=entry.get("pid"),
+            nproc=entry.get("nproc"),
+            role=entry.get("role"),
+            started_s_ago=round(now - stamp, 3) if isinstance(stamp, (int, float)) else None,
+            join_s=entry.get("join_s"),
+        ))
+    members.sort(key=lambda m: m.rank)
+    joins = [m.join_s for m in members if isinstance(m.join_s, (int, float))]
+    return RunStatus(round=sealed, world_size=world_size, master=master, members=members,
+                     last_round_s=max(joins) if joins else None, **common)  # type: ignore[arg-type]
+
+
+def format_status(status: RunStatus) -> str:
+    """``status`` as a few lines for a person."""
+    lines = [f"run {status.run_id}: {status.state}"]
+    if status.round is None:
+        lines.append(f"  no round has formed yet; {status.waiting} node(s) joined round 0"
+                     + (" (min_nodes reached, last call running)" if status.armed else ""))
+        return "\n".join(lines)
+    took = f", formed in {status.last_round_s:.2f} s" if status.last_round_s is not None else ""
+    lines.append(f"  round {status.round}: {status.world_size} node(s){took}; workers' master "
+                 f"{status.master or '?'}")
+    lines.append(f"  {'rank':>4}  {'alive':5}  {'host':24} {'pid':>8}  {'workers':>7}  "
+                 f"{'up':>8}")
+    for member in status.members:
+        up = f"{member.started_s_ago:.0f} s" if member.started_s_ago is not None else "?"
+        lines.append(f"  {member.rank:>4}  {_liveness(member, status):5}  "
+                     f"{member.host or '?':24} {member.pid or '?':>8}  "
+                     f"{member.nproc or '?':>7}  {up:>8}")
+    if status.waiting:
+        lines.append(f"  {status.waiting} node(s) waiting in round {status.forming_round} "
+                     f"({status.rejoined} of them members coming back)")
+    return "\n".join(lines)
+
+
+def open_store(params: RendezvousParameters) -> Store:
+    """A read-only client of the store of ``params``' backend (file, tcp/c10d, memory)."""
+    if params.backend == "file":
+        from ..store._file import FileStore
+        from ._file import store_path
+
+        return FileStore(store_path(params.endpoint, params.run_id),
+                         timeout=params.get_option("read_timeout"))
+    if params.backend in ("tcp", "c10d"):
+        from ..server._auth import read_secret_file
+        from ..store._tcp import TCPStore
+        from ._static import parse_host_port
+
+        host, port = parse_host_port(params.endpoint, params.backend)
+        secret_file = params.get_option("secret_file")
+        return TCPStore(host, port, is_master=False, timeout=params.get_option("read_timeout"),
+                        secret=read_secret_file(secret_file) if secret_file else None)
+    if params.backend == "memory":
+        from ._memory import shared_store
+
+        return shared_store(params.endpoint).client()
+    raise RendezvousStateError(
+        f"rdzv status reads the tcp, file and memory backends; {params.backend!r} is not one"
+    )
+
+
+def _liveness(member: MemberStatus, status: RunStatus) -> str:
+    if member.alive:
+        return "yes"
+    return "left" if status.closed else "LOST"
