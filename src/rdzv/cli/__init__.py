@@ -15,7 +15,7 @@ from typing import Sequence
 
 from .._version import __version__
 
-SUBCOMMAND_MODULES = ("_serve",)
+SUBCOMMAND_MODULES = ("_serve", "_run", "_status")
 """Sub-command modules of this package, in the order ``rdzv --help`` lists them."""
 
 
