@@ -239,11 +239,19 @@ class FileStore(Store):
             try:
                 result = decide(state)
                 effects = state.effects
+            except BaseException:
+                if state.effects:  # decided, then failed: the cache is ahead of the file
+                    self._forget_cache()
+                raise
             finally:
                 state.effects = None
             if effects:
                 self._append(effects)
             return result
+
+    def _forget_cache(self) -> None:
+        """Make the next lock replay the whole file (the cache holds effects it lacks)."""
+        self._offset, self._header = 0, Header(0, 0, 0)
 
     def _append(self, effects: list[FileEffect]) -> None:
         assert self._fd is not None
@@ -254,7 +262,7 @@ class FileStore(Store):
             record = encode_record(effects)
             self._write(self._fd, record, self._offset)
         except (OSError, ValueError) as exc:
-            self._offset, self._header = 0, Header(0, 0, 0)  # our cache is ahead: reload it
+            self._forget_cache()
             raise StoreError(f"cannot write to FileStore file {self.file_name}: {exc}") from exc
         self._offset += len(record)
         log_bytes = self._offset - self._header.data_start
@@ -284,20 +292,19 @@ class FileStore(Store):
 
     # -- sessions ---------------------------------------------------------------------------
     def _open_session(self) -> tuple[int, SessionFile]:
-        with self._locked(exclusive=True) as state:
-            state.effects = []
-            try:
-                session = state.open_session(self._session_ttl)
-                session_file = SessionFile(self.file_name, session)
-                effects = state.effects
-            finally:
-                state.effects = None
-            try:
-                self._append(effects)
-            except StoreError:
+        created: list[SessionFile] = []
+
+        def open_session(state: KVState) -> int:
+            session = state.open_session(self._session_ttl)
+            created.append(SessionFile(self.file_name, session))
+            return session
+
+        try:
+            return self._mutate(open_session), created[0]
+        except StoreError:
+            for session_file in created:
                 session_file.remove()
-                raise
-        return session, session_file
+            raise
 
     def _heartbeat_loop(self) -> None:
         interval = self._session_ttl / 3
