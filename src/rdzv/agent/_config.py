@@ -142,7 +142,7 @@ def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, tupl
         given = getattr(args, dest, None)
         name = f"PET_{dest.upper()}"
         if given is not None:
-            resolved[dest] = (given, flags[-1] if flags[0] == "-m" else flags[0])
+            resolved[dest] = (given, _long_flag(flags))
         elif name in env:
             value: Any = env[name]
             if kind == "flag":
@@ -154,6 +154,10 @@ def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, tupl
         else:
             resolved[dest] = (default, "default")
     return resolved
+
+
+def _long_flag(flags: tuple[str, ...]) -> str:
+    return next(flag for flag in flags if flag.startswith("--"))
 
 
 def _number(kind: type, raw: Any, source: str, minimum: float, example: str) -> Any:
@@ -265,7 +269,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
 
     def source(dest: str) -> str:
         where = values[dest][1]
-        return where if where != "default" else next(o[1][0] for o in _OPTIONS if o[0] == dest)
+        return where if where != "default" else _long_flag(next(o[1] for o in _OPTIONS
+                                                                 if o[0] == dest))
 
     min_nodes, max_nodes = parse_nnodes(raw("nnodes"), source("nnodes"))
     nproc = parse_nproc(raw("nproc_per_node"), source("nproc_per_node"))

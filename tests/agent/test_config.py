@@ -1,0 +1,132 @@
+"""``rdzv run``'s flags and PET_* env vars: what they configure, and clear errors (exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from rdzv.agent import ConfigError, add_run_arguments, config_from_args
+from rdzv.agent._config import parse_nnodes, parse_streams
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_run_arguments(parser)
+    return config_from_args(parser.parse_args(argv), env or {})
+
+
+ELASTIC = ["--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "job"]
+
+
+def test_torchrun_flags_in_both_spellings() -> None:
+    config = parse(["--nnodes", "1:4", "--nproc_per_node", "3", "--max-restarts", "2",
+                    "--rdzv_backend", "c10d", *ELASTIC, "--rdzv-conf",
+                    "join_timeout=5,last_call_timeout=1", "--role", "trainer", "train.py",
+                    "--lr", "0.1"])
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 4, 3)
+    assert config.rdzv_backend == "tcp"  # torch's c10d is an alias
+    assert config.rdzv_conf == {"join_timeout": "5", "last_call_timeout": "1"}
+    assert config.max_restarts == 2 and config.role == "trainer"
+    assert config.command == (sys.executable, "-u", "train.py", "--lr", "0.1")
+
+
+def test_module_and_no_python() -> None:
+    assert parse([*ELASTIC, "-m", "pkg.train", "x"]).command == (sys.executable, "-u", "-m",
+                                                                  "pkg.train", "x")
+    assert parse([*ELASTIC, "--no-python", "echo", "hi"]).command == ("echo", "hi")
+
+
+def test_env_vars_stand_for_missing_flags_and_flags_win() -> None:
+    env = {"PET_NNODES": "2:3", "PET_NPROC_PER_NODE": "4", "PET_RDZV_ENDPOINT": "h:1",
+           "PET_RDZV_ID": "from-env", "PET_STANDALONE": "0", "PET_MAX_RESTARTS": "5"}
+    config = parse(["--max-restarts", "1", "train.py"], env)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 3, 4)
+    assert (config.rdzv_endpoint, config.run_id, config.max_restarts) == ("h:1", "from-env", 1)
+
+
+def test_standalone_needs_nothing_else() -> None:
+    config = parse(["--standalone", "--nproc-per-node", "2", "train.py"])
+    assert config.standalone and config.rdzv_backend == "tcp"
+    assert config.rdzv_endpoint == "127.0.0.1:0" and config.max_nodes == 1
+
+
+def test_master_flags_make_a_static_job() -> None:
+    config = parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                    "--master-port", "1234", "train.py"])
+    assert config.rdzv_backend == "static" and config.rdzv_endpoint == "10.0.0.1:1234"
+    assert config.rdzv_conf == {"rank": "1", "world_size": "2"} and config.node_rank == 1
+
+
+def test_redirects_and_tee_per_rank() -> None:
+    choice = parse_streams("0:1,1:3", "--tee")
+    assert choice.streams(0) == {"stdout"} and choice.streams(1) == {"stdout", "stderr"}
+    assert choice.streams(2) == frozenset()
+    assert parse_streams("2", "-r").streams(7) == {"stderr"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "flag", "hint"),
+    [
+        (["--nnodes", "4:2", *ELASTIC], {}, "--nnodes", "MIN <= MAX"),
+        (["--nnodes", "two", *ELASTIC], {}, "--nnodes", "--nnodes 2 or --nnodes 1:4"),
+        (["--nnodes", "0", *ELASTIC], {}, "--nnodes", "must be >= 1"),
+        ([*ELASTIC], {"PET_NNODES": "x"}, "PET_NNODES", "not an integer"),
+        (["--nproc-per-node", "0", *ELASTIC], {}, "--nproc-per-node", ">= 1"),
+        (["--nproc-per-node", "many", *ELASTIC], {}, "--nproc-per-node", "auto, cpu or gpu"),
+        (["--max-restarts", "-1", *ELASTIC], {}, "--max-restarts", ">= 0"),
+        (["--monitor-interval", "0", *ELASTIC], {}, "--monitor-interval", ">="),
+        (["--rdzv-conf", "join_timeout", *ELASTIC], {}, "--rdzv-conf", "key=value"),
+        (["--redirects", "5", *ELASTIC], {}, "--redirects", "0 (none)"),
+        (["--standalone", "--rdzv-endpoint", "h:1"], {}, "--standalone", "--rdzv-endpoint"),
+        (["--standalone", "--nnodes", "2"], {}, "--standalone", "drop one"),
+        (["--master-addr", "h", "--rdzv-backend", "tcp", *ELASTIC], {}, "--master-addr",
+         "static jobs"),
+        (["--nnodes", "1:2", "--node-rank", "0"], {}, "--nnodes", "fixed size"),
+        (["--nnodes", "2", "--node-rank", "2"], {}, "--node-rank", "0..1"),
+        (["--rdzv-backend", "tcp"], {}, "--rdzv-endpoint", "needs an endpoint"),
+        (["-m", "--no-python", *ELASTIC], {}, "-m/--no-python/--run-path", "at most one"),
+        (["--role", "a b", *ELASTIC], {}, "--role", "not a role name"),
+        ([*ELASTIC], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE", "1 or 0"),
+    ],
+)
+def test_bad_flags_name_the_flag_and_the_fix(argv: list[str], env: dict[str, str], flag: str,
+                                             hint: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse([*argv, "train.py"], env)
+    assert caught.value.flag == flag
+    assert hint in str(caught.value)
+
+
+def test_parse_nnodes() -> None:
+    assert parse_nnodes("3") == (3, 3) and parse_nnodes("1:8") == (1, 8)
+    with pytest.raises(ConfigError, match="no maximum"):
+        parse_nnodes("2:")
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rdzv.run", *argv], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_cli_bad_flag_exits_2_with_the_fix() -> None:
+    result = run_cli("--nnodes", "3:1", "--standalone", "x.py")
+    assert result.returncode == 2
+    assert "--nnodes: the maximum 1 is below the minimum 3" in result.stderr
+
+
+def test_cli_unknown_flag_exits_2() -> None:
+    result = run_cli("--standalone", "--nprocs", "2", "x.py")
+    assert result.returncode == 2 and "--nprocs" in result.stderr
+
+
+def test_cli_missing_script_exits_2() -> None:
+    result = run_cli("--standalone", "no/such/script.py")
+    assert result.returncode == 2 and "no/such/script.py' does not exist" in result.stderr
+
+
+def test_cli_unknown_rdzv_option_exits_2() -> None:
+    result = run_cli("--standalone", "--rdzv-conf", "join_timout=1", __file__)
+    assert result.returncode == 2 and "Did you mean 'join_timeout'" in result.stderr
