@@ -253,7 +253,7 @@ class FileStore(Store):
         """Make the next lock replay the whole file (the cache holds effects it lacks)."""
         self._offset, self._header = 0, Header(0, 0, 0)
 
-    def _append(self, effects: list[FileEffect]) -> None:
+    def _append(self, effects: Sequence[FileEffect]) -> None:
         assert self._fd is not None
         for effect in effects:
             if isinstance(effect, SessionOpen):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple, Union
+from typing import NamedTuple, Sequence, Union
 
 from ..errors import RendezvousStateError
 from ._state import Delete, Effect, KVState, Put, SessionClose, SessionOpen
@@ -73,7 +73,7 @@ def decode_header(data: bytes, file_name: str) -> Header:
     return Header(file_id, parent_id, data_start)
 
 
-def encode_record(effects: list[FileEffect]) -> bytes:
+def encode_record(effects: Sequence[FileEffect]) -> bytes:
     parts: list[bytes] = []
     for effect in effects:
         if isinstance(effect, Put):
