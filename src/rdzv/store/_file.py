@@ -99,7 +99,7 @@ class FileStore(Store):
             raise ValueError(f"world_size must be a positive int or -1 (unknown), got {world_size!r}")
         if not session_ttl > 0:
             raise ValueError(f"session_ttl must be > 0 seconds, got {session_ttl!r}")
-        self.file_name = os.path.abspath(os.fspath(file_name))
+        self.file_name = os.path.realpath(os.fspath(file_name))
         self.world_size = world_size
         self._session_ttl = float(session_ttl)
         self._compact_bytes = compact_bytes
