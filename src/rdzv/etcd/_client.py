@@ -168,9 +168,12 @@ class EtcdClient:
             attempt += 1
             if time.monotonic() > deadline:
                 shown = "; ".join(f"{ep}: {why}" for ep, why in failures.items())
+                hint = ""
+                if self.options.protocol == "http" and ("Disconnected" in shown or "reset" in shown):
+                    hint = " (if etcd serves https, set protocol=https)"
                 raise StoreConnectionError(
                     f"no etcd endpoint answered {path} within {self.options.retry_timeout:g} s "
-                    f"({shown}); check that etcd runs at {', '.join(self.options.endpoints)}"
+                    f"({shown}); check that etcd runs at {', '.join(self.options.endpoints)}{hint}"
                 )
             if attempt % len(self.options.endpoints) == 0:
                 time.sleep(min(1.0, 0.05 * 2 ** (attempt // len(self.options.endpoints))))
@@ -306,6 +309,10 @@ class EtcdClient:
                             f"etcd at {endpoint} compacted revisions up to "
                             f"{result['compact_revision']}", int(result["compact_revision"])
                         )
+                    if result.get("canceled") and "permission denied" in str(result.get("cancel_reason")):
+                        raise StoreAuthenticationError(
+                            f"etcd at {endpoint} denied a watch: grant this etcd user read on the keys"
+                        )
                     if result.get("canceled"):
                         raise StoreError(f"etcd at {endpoint} canceled a watch: {result.get('cancel_reason')}")
                     if result.get("events"):
@@ -313,6 +320,8 @@ class EtcdClient:
             except _InvalidToken:
                 self._token = None
                 raise _Transient("auth token expired", sent=False) from None
+            except StoreError:  # rdzv's connection errors are OSErrors too: not transient here
+                raise
             except ssl.SSLError as exc:
                 raise StoreConnectionError(f"TLS with etcd at {endpoint} failed: {exc}") from exc
             except (OSError, http.client.HTTPException) as exc:

@@ -67,8 +67,11 @@ def free_ports(count: int) -> list[int]:
 class _Member:
     """One etcd process: its ports, data dir, command line and lifecycle."""
 
-    def __init__(self, binary: str, name: str, root: str, tls: EtcdTLSFiles | None) -> None:
+    def __init__(
+        self, binary: str, name: str, root: str, tls: EtcdTLSFiles | None, extra_args: Sequence[str]
+    ) -> None:
         self.binary = binary
+        self.extra_args = list(extra_args)
         self.name = name
         self.data_dir = os.path.join(root, name)
         self.log_path = os.path.join(root, name + ".log")
@@ -110,6 +113,7 @@ class _Member:
         if self.tls:
             args += ["--cert-file", self.tls.cert, "--key-file", self.tls.key,
                      "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]  # fmt: skip
+        args += self.extra_args
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
@@ -190,6 +194,7 @@ class LocalEtcdCluster:
 
     ``with LocalEtcdCluster(3) as cluster:`` starts them and waits (up to ``startup_timeout``)
     until every member is healthy; leaving the block stops them all and deletes their data.
+    ``tls`` makes the members serve clients over https; ``extra_args`` go to every etcd.
     """
 
     def __init__(
@@ -199,12 +204,14 @@ class LocalEtcdCluster:
         binary: str | None = None,
         startup_timeout: float = 60.0,
         tls: EtcdTLSFiles | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least 1 member, got size={size}")
         self.binary = binary or find_etcd_binary()
         self.startup_timeout = startup_timeout
         self.tls = tls
+        self.extra_args = tuple(extra_args)
         self._size = size
         self._root: str | None = None
         self._members: list[_Member] = []
@@ -216,7 +223,7 @@ class LocalEtcdCluster:
         self._root = tempfile.mkdtemp(prefix="rdzv-etcd-")
         try:
             self._members = [
-                _Member(self.binary, f"m{i}", self._root, self.tls) for i in range(self._size)
+                _Member(self.binary, f"m{i}", self._root, self.tls, self.extra_args) for i in range(self._size)
             ]
             cluster = ",".join(f"{m.name}={m.peer_url}" for m in self._members)
             for member in self._members:
@@ -326,8 +333,11 @@ class LocalEtcd(LocalEtcdCluster):
         binary: str | None = None,
         startup_timeout: float = 30.0,
         tls: EtcdTLSFiles | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
-        super().__init__(1, binary=binary, startup_timeout=startup_timeout, tls=tls)
+        super().__init__(
+            1, binary=binary, startup_timeout=startup_timeout, tls=tls, extra_args=extra_args
+        )
 
     def start(self) -> "LocalEtcd":
         """Start etcd (retrying with other ports if the chosen ones were taken meanwhile)."""
