@@ -52,8 +52,6 @@ ASSIGN_TIMEOUT = 60.0
 """Seconds a node waits for the other nodes of a formed round to exchange their worker counts."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
-WATCH_SLICE = 5.0
-"""Longest single wait of the membership watcher (a change wakes it at once)."""
 
 
 class Action(enum.Enum):
@@ -91,11 +89,14 @@ class Signalled:
     signum: int
 
 
-def on_worker_exit(returncodes: Mapping[int, int | None], restarts: int, max_restarts: int,
-                   closed: bool) -> Action:
-    """The decision after a worker exited, given every worker's return code (None: running)."""
+def on_worker_exit(returncodes: Mapping[int, int | None], restarts: int,
+                   max_restarts: int) -> Action:
+    """The decision after a worker exited, given every worker's return code (None: running).
+
+    A restart needs a new round: if the rendezvous turns out to be closed, the run fails then.
+    """
     if any(code not in (None, 0) for code in returncodes.values()):
-        return Action.RESTART if restarts < max_restarts and not closed else Action.FAIL
+        return Action.RESTART if restarts < max_restarts else Action.FAIL
     if all(code == 0 for code in returncodes.values()):
         return Action.SUCCEED
     return Action.CONTINUE
@@ -159,6 +160,8 @@ class ElasticAgent:
         self.log_root = ""
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._generation = 0
+        self._failures_before: list[WorkerFailure] = []
+        """The failures that led to the round being joined now (empty after a re-form)."""
 
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -233,6 +236,7 @@ class ElasticAgent:
                 print(failure_summary(failures, reason), file=sys.stderr, flush=True)
                 self._give_up(info)
                 return 1
+            self._failures_before = failures if action is Action.RESTART else []
             if action is Action.RESTART:
                 self.restarts += 1
                 worst = failures[0] if failures else None
@@ -270,7 +274,11 @@ class ElasticAgent:
             self.say(f"asked to leave the run: {exc}")
             return 0
         except RendezvousClosedError as exc:
-            self.say(f"the rendezvous is closed, the run has ended on the other nodes ({exc})")
+            if self._failures_before:
+                reason = f"the workers cannot restart: the rendezvous is closed ({exc})"
+                print(failure_summary(self._failures_before, reason), file=sys.stderr, flush=True)
+            else:
+                self.say(f"the rendezvous is closed, the run has ended on the other nodes ({exc})")
             return 1
         except RendezvousError as exc:
             self.say(f"rendezvous failed: {type(exc).__name__}: {exc}")
@@ -306,7 +314,7 @@ class ElasticAgent:
         """
         generation = self._generation
         watcher = MembershipWatcher(self.handler, self._events, generation,
-                                    max(WATCH_SLICE, self.config.monitor_interval))
+                                    self.config.monitor_interval)
         watcher.start()
         finished = False
         try:
@@ -318,10 +326,7 @@ class ElasticAgent:
                     continue  # an event of an earlier round
                 if isinstance(event, WorkerExited):
                     codes = group.returncodes()
-                    failed = any(code not in (None, 0) for code in codes.values())
-                    closed = failed and self.handler.is_closed()
-                    action = on_worker_exit(codes, self.restarts, self.config.max_restarts,
-                                            closed)
+                    action = on_worker_exit(codes, self.restarts, self.config.max_restarts)
                     if action is Action.SUCCEED:
                         finished = True
                         self.say(f"all {len(codes)} worker(s) of this node succeeded; waiting "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
 from ..rendezvous import RendezvousHandler, RendezvousParameters, get_rendezvous_handler
 from ._agent import ElasticAgent
@@ -18,29 +19,39 @@ logger = logging.getLogger(__name__)
 
 USAGE_ERROR = 2
 
-STANDALONE_CONF = {"is_host": "true", "last_call_timeout": "0"}
-"""A standalone run hosts its store and has nobody else to wait for."""
+STANDALONE_HOST = "127.0.0.1"
 
 
 def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
     """The rendezvous parameters of ``config`` (ValueError if the backend rejects an option)."""
-    conf = dict(config.rdzv_conf)
-    if config.standalone:
-        conf = {**STANDALONE_CONF, **conf}
     return RendezvousParameters(
         config.rdzv_backend, config.rdzv_endpoint, config.run_id, config.min_nodes,
-        config.max_nodes, config.local_addr, **conf,
+        config.max_nodes, config.local_addr, **config.rdzv_conf,
     )
 
 
-def create_handler(config: LaunchConfig) -> RendezvousHandler:
-    return get_rendezvous_handler(rendezvous_parameters(config))
+def standalone_handler(config: LaunchConfig) -> tuple[RendezvousHandler, LaunchConfig]:
+    """A one-node rendezvous on a store server embedded in this process, on a free port."""
+    from ..rendezvous._engine import DynamicRendezvousHandler
+    from ..store._tcp import TCPStore
+
+    params = rendezvous_parameters(config)
+    store = TCPStore(STANDALONE_HOST, 0, is_master=True, timeout=params.get_option("read_timeout"))
+    handler = DynamicRendezvousHandler(
+        store, config.run_id, 1, 1, backend="tcp", local_addr=STANDALONE_HOST,
+        join_timeout=params.get_option("join_timeout"), last_call_timeout=0.0,
+        on_shutdown=store.close,
+    )
+    return handler, replace(config, rdzv_endpoint=f"{STANDALONE_HOST}:{store.port}")
 
 
 def launch(config: LaunchConfig) -> int:
     """Run one node of the job described by ``config``; the exit code."""
-    handler = create_handler(config)
-    host = config.local_addr or ("127.0.0.1" if config.standalone else None)
+    if config.standalone:
+        handler, config = standalone_handler(config)
+    else:
+        handler = get_rendezvous_handler(rendezvous_parameters(config))
+    host = config.local_addr or (STANDALONE_HOST if config.standalone else None)
     return ElasticAgent(config, handler, host=host).run()
 
 

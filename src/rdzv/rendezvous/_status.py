@@ -160,9 +160,9 @@ def open_store(params: RendezvousParameters) -> Store:
     if params.backend in ("tcp", "c10d"):
         from ..server._auth import read_secret_file
         from ..store._tcp import TCPStore
-        from ._static import parse_host_port
+        from ._tcp import split_endpoint
 
-        host, port = parse_host_port(params.endpoint, params.backend)
+        host, port = split_endpoint(params.endpoint)
         secret_file = params.get_option("secret_file")
         return TCPStore(host, port, is_master=False, timeout=params.get_option("read_timeout"),
                         secret=read_secret_file(secret_file) if secret_file else None)
