@@ -43,9 +43,6 @@ class PrefixContract(StoreContract):
         assert underlying.get(f"{PREFIX}/k") == b"v"
         assert underlying.try_get("k") is None
 
-    @pytest.mark.xfail(reason="PrefixStore does not check_key() the key before adding its prefix")
-    def test_empty_key_is_value_error(self, store: Store) -> None:
-        super().test_empty_key_is_value_error(store)
 
 
 class TestPrefixOverHashStore(PrefixContract):

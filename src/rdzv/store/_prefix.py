@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ._base import Store, Timeout, Value
+from ._base import Store, Timeout, Value, check_key
 
 
 class PrefixStore(Store):
@@ -22,7 +22,7 @@ class PrefixStore(Store):
         self.capabilities = store.capabilities  # type: ignore[misc]
 
     def _k(self, key: str) -> str:
-        return self._head + key
+        return self._head + check_key(key)
 
     def _path(self, path: str) -> str:
         return self._head + path
@@ -78,10 +78,10 @@ class PrefixStore(Store):
 
     def list_keys(self, prefix: str) -> dict[str, bytes]:
         cut = len(self._head)
-        return {k[cut:]: v for k, v in self.underlying_store.list_keys(self._k(prefix)).items()}
+        return {k[cut:]: v for k, v in self.underlying_store.list_keys(self._path(prefix)).items()}
 
     def count_keys(self, prefix: str) -> int:
-        return self.underlying_store.count_keys(self._k(prefix))
+        return self.underlying_store.count_keys(self._path(prefix))
 
     def revision(self, path: str = "") -> int:
         return self.underlying_store.revision(self._path(path))
