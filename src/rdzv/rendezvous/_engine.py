@@ -4,8 +4,10 @@ The rules live in ``_decisions.py`` and the key layout in ``_layout.py``; this m
 the I/O. A node in a forming round loops: read the round's control keys and O(1) counts, call
 :func:`decide`, carry out the step, and wait on the store's change notification of the round's
 ``ctl/`` directory (``Store.watch``) until the step's wake-up time. Every wait is one blocking
-``watch`` call bounded by the step's deadline. On a store without the ``watch`` capability
-(FileStore) that call is the store's own bounded poll of the file (1 ms backing off to 50 ms).
+``watch`` call bounded by the step's deadline and by the store's own operation timeout
+(``read_timeout``), so a lost store surfaces as RendezvousConnectionError within about that
+long, never as a hang. On a store without the ``watch`` capability (FileStore) that call is the
+store's own bounded poll of the file (1 ms backing off to 50 ms).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
     capabilities, with O(1) store operations and wake-ups per node and round.
 
     ``on_shutdown`` releases what the backend opened (its store client, a hosted server).
+    ``query_store`` opens a second client for :meth:`num_nodes_waiting`, :meth:`is_closed` and
+    :meth:`set_closed` while this node waits in a round, for stores whose client serves one
+    call at a time (TCPStore): the queries then never wait behind the round's blocking watch.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         join_timeout: float = 600.0,
         last_call_timeout: float = 30.0,
         on_shutdown: Callable[[], None] | None = None,
+        query_store: Callable[[], Store] | None = None,
     ) -> None:
         caps = store.capabilities
         if not (caps.ephemeral and caps.listing):
@@ -98,6 +104,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._host = local_addr or socket.getfqdn()
         self._join_timeout = float(join_timeout)
         self._on_shutdown = on_shutdown
+        self._open_query_store = query_store
+        self._query_store: Store | None = None
+        self._query_lock = threading.Lock()
         self._node_id = f"{self._host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._member: Membership | None = None
         self._owned: list[str] = []
@@ -118,23 +127,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._node_id
 
     def is_closed(self) -> bool:
-        return self._store.try_get(self._keys.closed) is not None
+        return self._query().try_get(self._keys.closed) is not None
 
     def set_closed(self) -> None:
-        keys = self._keys
-        self._store.set(keys.closed, b"1")
-        forming = self._latest_sealed() + 1
+        keys, store = self._keys, self._query()
+        store.set(keys.closed, b"1")
+        forming = self._latest_sealed(store) + 1
         for _ in range(100):  # a racing seal moves the forming round on; bounded anyway
-            current = self._store.compare_set(keys.status(forming), b"", CLOSED_STATUS)
+            current = store.compare_set(keys.status(forming), b"", CLOSED_STATUS)
             if current == CLOSED_STATUS:
                 break
             forming += 1
         logger.info("rendezvous %s closed by %s", keys.run_id, self._node_id)
 
     def num_nodes_waiting(self) -> int:
-        member = self._member
-        next_round = member.round + 1 if member else self._latest_sealed() + 1
-        return self._store.count_keys(self._keys.nodes(next_round))
+        store, member = self._query(), self._member
+        next_round = member.round + 1 if member else self._latest_sealed(store) + 1
+        return store.count_keys(self._keys.nodes(next_round))
 
     def next_rendezvous(self) -> RendezvousInfo:
         with self._lock:
@@ -157,7 +166,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._store.watch(path, since, remaining)
+            self._watch(path, since, remaining)
 
     def shutdown(self) -> bool:
         """Leave: delete this node's liveness keys (peers see it at once), release the backend."""
@@ -169,13 +178,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             logger.warning("rendezvous %s: leaving failed: %s", self._keys.run_id, exc)
             return False
         finally:
+            if self._query_store is not None:
+                self._query_store.close()
             if self._on_shutdown is not None:
                 self._on_shutdown()
 
     # -- joining ----------------------------------------------------------------------------------
     def _next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._join_timeout
-        if self.is_closed():
+        if self._store.try_get(self._keys.closed) is not None:
             raise RendezvousClosedError(f"the rendezvous of run {self._keys.run_id!r} is closed")
         previous = self._member
         latest = self._latest_sealed()
@@ -229,7 +240,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
                 if not self._try_seal(r):  # another node holds the sealer lock: wait for it
-                    store.watch(keys.ctl(r), since, max(0.0, deadline - now))
+                    self._watch(keys.ctl(r), since, deadline - now)
             elif step.action is Action.COLLECT:
                 assert isinstance(decision, Decision)
                 info = self._collect(r, index, decision, previous)
@@ -237,7 +248,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     self._leave_round()
                 return info
             else:
-                store.watch(keys.ctl(r), since, max(0.0, step.wake_at - now))
+                self._watch(keys.ctl(r), since, step.wake_at - now)
 
     def _observe(self, r: int) -> tuple[RoundView, Decision | bool | None]:
         store, keys = self._store, self._keys
@@ -313,13 +324,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _latest_sealed(self) -> int:
-        return decode_int(self._keys.sealed, self._store.try_get(self._keys.sealed), -1)
+    def _latest_sealed(self, store: Store | None = None) -> int:
+        raw = (store or self._store).try_get(self._keys.sealed)
+        return decode_int(self._keys.sealed, raw, -1)
+
+    def _query(self) -> Store:
+        """The store for queries: the second client while a round is being joined, if any."""
+        if self._open_query_store is None or not self._lock.locked():
+            return self._store
+        with self._query_lock:
+            if self._query_store is None:
+                self._query_store = self._open_query_store()
+            return self._query_store
 
     def _membership_changed(self, member: Membership) -> bool:
         store, keys = self._store, self._keys
         next_round = member.round + 1
-        closed = store.try_get(keys.status(next_round)) is not None or self.is_closed()
+        closed = (store.try_get(keys.status(next_round)) is not None
+                  or store.try_get(keys.closed) is not None)
         return membership_changed(
             closed=closed,
             waiting=store.count_keys(keys.nodes(next_round)),
@@ -336,3 +358,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _delete(self, keys: list[str]) -> None:
         for key in keys:
             self._store.delete_key(key)
+
+    def _watch(self, path: str, since: int, seconds: float) -> None:
+        """Wait for ``path`` to change after ``since``, at most ``seconds`` and one store timeout."""
+        limit = self._store.timeout.total_seconds()
+        self._store.watch(path, since, max(0.0, min(seconds, limit)))

@@ -1,0 +1,113 @@
+"""The ``tcp`` backend (torch: ``c10d``): dynamic rendezvous on rdzv's TCP store server.
+
+The endpoint ``HOST:PORT`` names the store server. As torch's c10d backend does, the node whose
+machine is ``HOST`` hosts the server inside its own process (a master :class:`TCPStore`); the
+option ``is_host`` overrides that guess, and when the port is already taken (a standalone
+``rdzv serve``, or another node of this machine got there first) a guessed host just connects.
+Every other node connects as a client.
+
+Liveness is the client's session: a killed node's connection closes and its ephemeral keys go
+at once; a hung node's heartbeats stop and its keys go after ``heartbeat_interval x
+heartbeat_misses`` seconds (the session ttl). The hosting node's server lives as long as its
+process: ``shutdown()`` leaves the rendezvous but keeps serving the other nodes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import Callable
+
+from ..errors import StoreConnectionError
+from ..server import _auth
+from ..store._tcp import TCPStore
+from ._api import RendezvousParameters
+from ._engine import DynamicRendezvousHandler
+from ._params import backend_spec
+
+logger = logging.getLogger(__name__)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``; a missing port is 29400) as (host, port)."""
+    default = backend_spec("tcp").default_port  # type: ignore[union-attr]
+    text = endpoint.strip()
+    if not text:
+        raise ValueError("the tcp rendezvous backend needs an endpoint HOST:PORT, e.g. 10.0.0.1:29400")
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = text.rpartition(":") if text.count(":") == 1 else (text, "", "")
+    if not port:
+        return host, int(default or 29400)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the port of the tcp rendezvous endpoint {endpoint!r} must be 1-65535")
+    return host, int(port)
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, its hostname, or one of its addresses)."""
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", ""):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    if host in names:
+        return True
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        local: set[str] = set()
+        for name in names:
+            local |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        return False
+    return bool(wanted & local) or any(a.startswith("127.") for a in wanted)
+
+
+def _address_in_use(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def open_store(params: RendezvousParameters) -> tuple[TCPStore, bool, Callable[[], TCPStore]]:
+    """The node's store client, hosting the server if it should.
+
+    Returns (store, whether this node hosts the server, a factory of further clients).
+    """
+    host, port = split_endpoint(params.endpoint)
+    secret_file = params.get_option("secret_file")
+    secret = _auth.read_secret_file(secret_file) if secret_file else None
+    options = dict(
+        timeout=params.get_option("read_timeout"),
+        secret=secret,
+        session_ttl=params.get_option("heartbeat_interval") * params.get_option("heartbeat_misses"),
+    )
+    forced = params.get_option("is_host")
+    if forced or (forced is None and is_local_host(host)):
+        try:
+            store = TCPStore(host, port, is_master=True, **options)
+            return store, True, lambda: TCPStore(host, store.port, **options)
+        except (OSError, StoreConnectionError) as exc:
+            if forced or not _address_in_use(exc):
+                raise
+            logger.info("rendezvous store %s:%d is served elsewhere: connecting", host, port)
+    return TCPStore(host, port, **options), False, lambda: TCPStore(host, port, **options)
+
+
+def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    store, hosting, another_client = open_store(params)
+    return DynamicRendezvousHandler(
+        store,
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        backend=params.backend,
+        local_addr=params.local_addr,
+        join_timeout=params.get_option("join_timeout"),
+        last_call_timeout=params.get_option("last_call_timeout"),
+        on_shutdown=None if hosting else store.close,
+        query_store=another_client,
+    )

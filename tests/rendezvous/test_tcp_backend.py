@@ -1,0 +1,95 @@
+"""The rendezvous contract on the tcp backend: node processes on a store server on loopback.
+
+Also what only the tcp backend has: the node at the endpoint hosts the server, and a store server
+killed mid-round gives the waiting nodes a clear RendezvousConnectionError, not a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _clusters import ProcessCluster
+from _nodes import NodeError, ProcessNode
+from contract import AT_ONCE, RendezvousContract, check_round, form
+
+from rdzv.server import StoreServer
+from rdzv.store._tcp import TCPStore
+
+SERVER_SCRIPT = (
+    "import sys; from rdzv.server import StoreServer; s = StoreServer('127.0.0.1', 0).start(); "
+    "print(s.port, flush=True); sys.stdin.read()"
+)
+
+
+@pytest.fixture
+def server():
+    with StoreServer("127.0.0.1", 0) as running:
+        yield running
+
+
+class TestTcpBackend(RendezvousContract):
+    @pytest.fixture
+    def cluster(self, server):
+        endpoint = f"127.0.0.1:{server.port}"
+        cluster = ProcessCluster(
+            "tcp", endpoint,
+            raw_store=lambda: TCPStore("127.0.0.1", server.port, timeout=30),
+            hung_options={"heartbeat_interval": 0.3, "heartbeat_misses": 3},
+            is_host=False, read_timeout=5.0,
+        )
+        yield cluster
+        cluster.close()
+
+
+def test_node_at_the_endpoint_hosts_the_server(unused_port):
+    spec = {"backend": "tcp", "endpoint": f"127.0.0.1:{unused_port}", "run_id": "job",
+            "min_nodes": 2, "max_nodes": 2, "local_addr": "127.0.0.1", "join_timeout": 60.0}
+    host = ProcessNode(spec)
+    other = ProcessNode({**spec, "is_host": False})
+    try:
+        check_round(form([host, other]), 2)
+    finally:
+        other.close()
+        host.close()
+
+
+@pytest.fixture
+def unused_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_store_server_killed_mid_round_raises_connection_error():
+    server = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    node = None
+    try:
+        port = int(server.stdout.readline())
+        node = ProcessNode({"backend": "tcp", "endpoint": f"127.0.0.1:{port}", "run_id": "job",
+                            "min_nodes": 2, "max_nodes": 2, "local_addr": "127.0.0.1",
+                            "is_host": False, "read_timeout": 2.0, "join_timeout": 600.0})
+        pending = node.request("next")
+        time.sleep(0.5)
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+        started = time.monotonic()
+        with pytest.raises(NodeError) as info:
+            pending.result(AT_ONCE)
+        assert info.value.type_name == "StoreConnectionError"  # a RendezvousConnectionError
+        assert f"127.0.0.1:{port}" in str(info.value)
+        assert time.monotonic() - started < AT_ONCE
+    finally:
+        if node is not None:
+            node.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)
