@@ -279,8 +279,9 @@ class EtcdClient:
         conn = self._connect(endpoint, self.options.request_timeout)
         try:
             try:
-                conn.request("POST", "/v3/watch", json.dumps({"create_request": create}),
-                             self._headers(endpoint))  # fmt: skip
+                # hasleader: a member cut off from the leader ends the watch instead of idling
+                headers = {**self._headers(endpoint), "Grpc-Metadata-hasleader": "true"}
+                conn.request("POST", "/v3/watch", json.dumps({"create_request": create}), headers)
                 response = conn.getresponse()
                 if response.status != 200:
                     _raise_error(endpoint, "watch", _decode(endpoint, "watch", response.status, response.read()))
@@ -353,7 +354,7 @@ def _decode(endpoint: str, path: str, status: int, raw: bytes) -> dict[str, Any]
 
 def _raise_error(endpoint: str, path: str, answer: dict[str, Any]) -> None:
     """Raise the rdzv error for an etcd error answer ``{"code": ..., "message": ...}``."""
-    code = int(answer.get("code", 2))
+    code = int(answer.get("code", answer.get("grpc_code", 2)))  # stream errors say grpc_code
     message = str(answer.get("message") or answer.get("error") or answer)
     where = f"etcd at {endpoint} rejected {path}: {message}"
     if code == _UNAUTHENTICATED and "token" in message:
