@@ -113,6 +113,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Keys this node wrote for its current round (the first: its liveness for the next)."""
         self._stale: list[str] = []
         """Keys of the previous round still needed until the current one is sealed."""
+        self._garbage: list[str] = []
+        """Keys no longer needed, deleted when this node next waits (off the critical path)."""
         self._lock = threading.Lock()
 
     # -- RendezvousHandler ----------------------------------------------------------------------
@@ -186,8 +188,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
     # -- joining ----------------------------------------------------------------------------------
     def _next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._join_timeout
-        if self._store.try_get(self._keys.closed) is not None:
-            raise RendezvousClosedError(f"the rendezvous of run {self._keys.run_id!r} is closed")
         previous = self._member
         latest = self._latest_sealed()
         rejoin = previous is not None and previous.round == latest
@@ -203,24 +203,28 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self, r: int, previous: Membership | None, deadline: float
     ) -> RendezvousInfo | None:
         store, keys = self._store, self._keys
+        if store.try_get(keys.closed) is not None:
+            self._leave_round()
+            raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
         index = store.add(keys.count(r), 1) - 1
         node = NodeDescriptor(
             self._node_id, self._host, os.getpid(), free_port(self._host),
             previous.rank if previous else None,
         )
-        self._stale += self._owned
+        # A member coming back keeps its liveness key in this round until the round is sealed.
+        if previous is not None:
+            self._stale = self._owned
+        else:
+            self._garbage += self._owned
         self._owned = [keys.expect(r + 1, index), keys.node(r, index)]
         store.set(self._owned[0], b"1", ephemeral=True)
         store.set(self._owned[1], encode_node(node), ephemeral=True)
         if previous is not None:
             self._owned.append(keys.back(r, index))
             store.set(self._owned[-1], b"1", ephemeral=True)
-        else:
-            self._delete(self._stale)
-            self._stale = []
         armed_since: float | None = None
+        since = store.revision(keys.ctl(r))
         while True:
-            since = store.revision(keys.ctl(r))
             view, decision = self._observe(r)
             now = time.monotonic()
             step = decide(view, self._rules, now, deadline, armed_since)
@@ -240,32 +244,28 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
                 if not self._try_seal(r):  # another node holds the sealer lock: wait for it
-                    self._watch(keys.ctl(r), since, deadline - now)
+                    since = self._watch(keys.ctl(r), since, deadline - now)
             elif step.action is Action.COLLECT:
                 assert isinstance(decision, Decision)
-                info = self._collect(r, index, decision, previous)
-                if info is None:
-                    self._leave_round()
-                return info
+                return self._collect(r, index, decision, previous)
             else:
-                self._watch(keys.ctl(r), since, step.wake_at - now)
+                self._delete_garbage()  # while idle
+                since = self._watch(keys.ctl(r), since, step.wake_at - now)
 
     def _observe(self, r: int) -> tuple[RoundView, Decision | bool | None]:
-        store, keys = self._store, self._keys
+        """The round as seen now; counts the decision cannot need are not read (left 0)."""
+        store, keys, rules = self._store, self._keys, self._rules
         status_key = keys.status(r)
         status = decode_status(status_key, store.try_get(status_key))
-        closed = status is True or store.try_get(keys.closed) is not None
-        if status is not None or closed:
-            return RoundView(closed, status is not None, 0, 0, 0, False), status
-        view = RoundView(
-            closed=False,
-            sealed=False,
-            alive=store.count_keys(keys.nodes(r)),
-            rejoined=store.count_keys(keys.back_dir(r)),
-            expected=store.count_keys(keys.expect_dir(r)),
-            armed=store.try_get(keys.armed(r)) is not None,
+        if status is not None:
+            return RoundView(status is True, status is not True, 0, 0, 0, False), status
+        alive = store.count_keys(keys.nodes(r))
+        expected = store.count_keys(keys.expect_dir(r))
+        rejoined = store.count_keys(keys.back_dir(r)) if expected else 0
+        armed = rules.min_nodes <= alive < rules.max_nodes and (
+            store.try_get(keys.armed(r)) is not None
         )
-        return view, None
+        return RoundView(False, False, alive, rejoined, expected, armed), None
 
     def _try_seal(self, r: int) -> bool:
         """Seal round r if this node gets the sealer lock (its death frees the lock).
@@ -299,22 +299,25 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _collect(
         self, r: int, index: int, decision: Decision, previous: Membership | None
     ) -> RendezvousInfo | None:
+        """This node's RendezvousInfo for the sealed round r, or None if it is late for it."""
         store, keys = self._store, self._keys
         rank_key = keys.rank(r, index)
         raw = store.try_get(rank_key)
         if raw is None:
             logger.info("rendezvous %s: %s is late for round %d", keys.run_id, self._node_id, r)
+            store.delete_key(self._owned[0])  # not a member: not expected in round r+1
+            self._garbage += self._stale + self._owned[1:]
+            self._stale, self._owned = [], []
             return None
         rank = decode_int(rank_key, raw, -1)
         if not 0 <= rank < decision.world_size:
             raise RendezvousStateError(
                 f"rendezvous key {rank_key!r}: rank {rank} outside 0..{decision.world_size - 1}"
             )
+        self._delete_garbage()
         # Only the liveness for round r+1 (expect) stays; the rest was needed to form round r.
-        self._delete(self._stale + self._owned[1:])
+        self._garbage = self._stale + self._owned[1:] + [rank_key]
         self._stale, self._owned = [], self._owned[:1]
-        if previous is not None:
-            self._delete([keys.rank(previous.round, previous.index)])
         self._member = Membership(r, index, rank, decision.world_size, previous is not None)
         return RendezvousInfo(
             PrefixStore(keys.user(r), store),
@@ -351,15 +354,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     def _leave_round(self) -> None:
-        """Drop out of a forming round (late, timed out, closed, leaving): delete its keys."""
-        self._delete(self._stale + self._owned)
-        self._stale, self._owned = [], []
+        """Drop out (timed out, closed, leaving): delete every key this node still has."""
+        self._delete(self._owned + self._stale + self._garbage)
+        self._owned, self._stale, self._garbage = [], [], []
+
+    def _delete_garbage(self) -> None:
+        self._delete(self._garbage)
+        self._garbage = []
 
     def _delete(self, keys: list[str]) -> None:
         for key in keys:
             self._store.delete_key(key)
 
-    def _watch(self, path: str, since: int, seconds: float) -> None:
-        """Wait for ``path`` to change after ``since``, at most ``seconds`` and one store timeout."""
+    def _watch(self, path: str, since: int, seconds: float) -> int:
+        """Wait for ``path`` to change after ``since``, at most ``seconds`` and one store timeout.
+
+        Returns the revision to wait after next time.
+        """
         limit = self._store.timeout.total_seconds()
-        self._store.watch(path, since, max(0.0, min(seconds, limit)))
+        return max(since, self._store.watch(path, since, max(0.0, min(seconds, limit))))
