@@ -144,10 +144,11 @@ def test_public_names_are_exported_from_rdzv() -> None:
 
 
 def test_import_rdzv_loads_no_backend() -> None:
+    """Built-in backends (and torch) are imported when a handler is created, not by `import rdzv`."""
     code = (
         "import json, sys, rdzv; "
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('rdzv.rendezvous._', "
-        "'rdzv.server', 'torch')))))"
+        "'torch')))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
