@@ -7,7 +7,6 @@ tables of ``docs/rendezvous.md`` (see :func:`options_markdown`) are all derived 
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -206,6 +205,8 @@ def check_config(backend: str, config: Mapping[str, Any]) -> dict[str, Any]:
 
 def unknown_option_message(spec: BackendSpec, key: str) -> str:
     """The error message for an option the backend does not have, with a suggestion."""
+    import difflib  # only on this error path: `import rdzv` stays fast
+
     message = f"Unknown option '{key}' for the '{spec.name}' rendezvous backend."
     renamed = RENAMED_PARAMETERS.get(key)
     known = spec.names() + [a for o in spec.options for a in o.aliases]
