@@ -29,7 +29,11 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     try:
         store = EtcdStore(
-            spec["endpoints"], prefix=spec["prefix"], timeout=120, request_timeout=3, retry_timeout=60
+            spec["endpoints"],
+            prefix=spec["prefix"],
+            timeout=120,
+            request_timeout=3,
+            retry_timeout=60,
         )
         with store:
             if spec["op"] == "write":

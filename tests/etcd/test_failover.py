@@ -98,12 +98,16 @@ def run_fault(cluster: LocalEtcdCluster, peers: list[Peer], doomed: int, fault: 
             assert all(stored[f"f/w{number}/{i}"] == str(i).encode() for i in range(WRITES))
 
 
-def test_leader_killed_while_clients_write_and_wait(cluster: LocalEtcdCluster, peers: list[Peer]) -> None:
+def test_leader_killed_while_clients_write_and_wait(
+    cluster: LocalEtcdCluster, peers: list[Peer]
+) -> None:
     run_fault(cluster, peers, cluster.leader(), "kill")
     assert cluster.leader() is not None
 
 
-def test_member_hung_while_clients_write_and_wait(cluster: LocalEtcdCluster, peers: list[Peer]) -> None:
+def test_member_hung_while_clients_write_and_wait(
+    cluster: LocalEtcdCluster, peers: list[Peer]
+) -> None:
     leader = cluster.leader()
     follower = (leader + 1) % 3
     run_fault(cluster, peers, follower, "pause")

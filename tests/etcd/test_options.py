@@ -37,8 +37,17 @@ def test_options_from_config_accept_torch_names(tmp_path) -> None:
     pem = tmp_path / "x.pem"
     pem.write_text("not used")
     options = EtcdOptions.from_config(
-        "h1,h2", {"protocol": "https", "cacert": str(pem), "cert": str(pem), "key": str(pem),
-                  "user": "u", "password": "s3cr3t", "request_timeout": "3", "other": 1}  # fmt: skip
+        "h1,h2",
+        {
+            "protocol": "https",
+            "cacert": str(pem),
+            "cert": str(pem),
+            "key": str(pem),
+            "user": "u",
+            "password": "s3cr3t",
+            "request_timeout": "3",
+            "other": 1,
+        },  # fmt: skip
     )
     assert options.endpoints == ("h1:2379", "h2:2379")
     assert (options.ca_cert, options.ssl_cert, options.ssl_cert_key) == (str(pem),) * 3

@@ -32,12 +32,28 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
             "-subj", "/CN=rdzv test CA", cwd=d)  # fmt: skip
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
-        openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        openssl(
+            "req",
+            *ec,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
         (d / f"{name}.ext").write_text(ext + "\n")
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
-    return {f: str(d / f) for f in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return {
+        f: str(d / f) for f in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +71,9 @@ def test_https_with_client_certificate(tls_etcd: LocalEtcd, pki: dict[str, str])
         assert store.watch("k", 0, 5) > 0
 
 
-def test_https_without_client_certificate_fails_clearly(tls_etcd: LocalEtcd, pki: dict[str, str]) -> None:
+def test_https_without_client_certificate_fails_clearly(
+    tls_etcd: LocalEtcd, pki: dict[str, str]
+) -> None:
     with pytest.raises(StoreConnectionError, match=f"TLS with etcd at {tls_etcd.endpoint}"):
         EtcdStore(tls_etcd.endpoint, protocol="https", ca_cert=pki["ca.pem"], retry_timeout=2)
 
@@ -70,7 +88,9 @@ def auth_etcd(etcd_binary: str) -> Iterator[LocalEtcd]:
     """An etcd with auth enabled: user root (all keys) and user job (keys under job/ only).
 
     Tokens live 2 s, so the tests also cover re-authentication after expiry."""
-    with LocalEtcd(binary=etcd_binary, extra_args=["--auth-token", "simple", "--auth-token-ttl", "2"]) as etcd:
+    with LocalEtcd(
+        binary=etcd_binary, extra_args=["--auth-token", "simple", "--auth-token-ttl", "2"]
+    ) as etcd:
         admin = EtcdClient(EtcdOptions((etcd.endpoint,)))
         for path, body in [
             ("auth/user/add", {"name": "root", "password": PASSWORD}),

@@ -62,7 +62,9 @@ class TestEtcdStore(StoreContract):
         yield factory
         factory.close()
 
-    def test_keys_live_under_the_prefix(self, store_factory: EtcdStoreFactory, etcd_server: LocalEtcd) -> None:
+    def test_keys_live_under_the_prefix(
+        self, store_factory: EtcdStoreFactory, etcd_server: LocalEtcd
+    ) -> None:
         store = store_factory.new_client()
         store.set("k", "v")
         whole = EtcdStore(etcd_server.endpoint)

@@ -145,7 +145,9 @@ class EtcdClient:
             conn.close()
 
     # -- requests -----------------------------------------------------------------------------
-    def call(self, path: str, body: dict[str, Any], *, retry_ambiguous: bool = True) -> dict[str, Any]:
+    def call(
+        self, path: str, body: dict[str, Any], *, retry_ambiguous: bool = True
+    ) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>`` and return the decoded answer, failing over as needed.
 
         A request whose answer was lost is re-sent only if ``retry_ambiguous`` (it is
@@ -163,13 +165,16 @@ class EtcdClient:
                 self._fail_over(endpoint, str(exc))
                 if exc.sent and not retry_ambiguous:
                     raise EtcdAmbiguousError(
-                        f"etcd at {endpoint} lost the answer to {path} ({exc}); it may have been applied"
+                        f"etcd at {endpoint} lost the answer to {path} ({exc}); "
+                        "it may have been applied"
                     ) from exc
             attempt += 1
             if time.monotonic() > deadline:
                 shown = "; ".join(f"{ep}: {why}" for ep, why in failures.items())
                 hint = ""
-                if self.options.protocol == "http" and ("Disconnected" in shown or "reset" in shown):
+                if self.options.protocol == "http" and (
+                    "Disconnected" in shown or "reset" in shown
+                ):
                     hint = " (if etcd serves https, set protocol=https)"
                 raise StoreConnectionError(
                     f"no etcd endpoint answered {path} within {self.options.retry_timeout:g} s "
@@ -275,7 +280,9 @@ class EtcdClient:
             start = max(int(e["kv"]["mod_revision"]) for e in batch) + 1
         return events
 
-    def _watch_stream(self, endpoint: str, create: dict[str, Any], seconds: float) -> list[dict[str, Any]]:
+    def _watch_stream(
+        self, endpoint: str, create: dict[str, Any], seconds: float
+    ) -> list[dict[str, Any]]:
         conn = self._connect(endpoint, self.options.request_timeout)
         try:
             try:
@@ -284,7 +291,11 @@ class EtcdClient:
                 conn.request("POST", "/v3/watch", json.dumps({"create_request": create}), headers)
                 response = conn.getresponse()
                 if response.status != 200:
-                    _raise_error(endpoint, "watch", _decode(endpoint, "watch", response.status, response.read()))
+                    _raise_error(
+                        endpoint,
+                        "watch",
+                        _decode(endpoint, "watch", response.status, response.read()),
+                    )
                 ends = time.monotonic() + seconds
                 created = False
                 while True:
@@ -308,14 +319,20 @@ class EtcdClient:
                     if result.get("compact_revision") and result.get("canceled"):
                         raise EtcdCompactedError(
                             f"etcd at {endpoint} compacted revisions up to "
-                            f"{result['compact_revision']}", int(result["compact_revision"])
+                            f"{result['compact_revision']}",
+                            int(result["compact_revision"]),
                         )
-                    if result.get("canceled") and "permission denied" in str(result.get("cancel_reason")):
+                    if result.get("canceled") and "permission denied" in str(
+                        result.get("cancel_reason")
+                    ):
                         raise StoreAuthenticationError(
-                            f"etcd at {endpoint} denied a watch: grant this etcd user read on the keys"
+                            f"etcd at {endpoint} denied a watch: "
+                            "grant this etcd user read on the keys"
                         )
                     if result.get("canceled"):
-                        raise StoreError(f"etcd at {endpoint} canceled a watch: {result.get('cancel_reason')}")
+                        raise StoreError(
+                            f"etcd at {endpoint} canceled a watch: {result.get('cancel_reason')}"
+                        )
                     if result.get("events"):
                         return result["events"]
             except _InvalidToken:
@@ -347,7 +364,8 @@ def _decode(endpoint: str, path: str, status: int, raw: bytes) -> dict[str, Any]
         elif status == 404:
             hint = " (etcd >= 3.4 with its v3 JSON gateway is required)"
         raise StoreProtocolError(
-            f"etcd at {endpoint} answered {path} with HTTP {status} and no JSON{hint}: {raw[:120]!r}"
+            f"etcd at {endpoint} answered {path} with HTTP {status} and no JSON{hint}: "
+            f"{raw[:120]!r}"
         )
     return answer
 
@@ -361,12 +379,18 @@ def _raise_error(endpoint: str, path: str, answer: dict[str, Any]) -> None:
         raise _InvalidToken(message)
     if code in (_UNAVAILABLE, _DEADLINE) or (code == _EXHAUSTED and "too many" in message):
         raise _Transient(message, sent=True)
-    if "authentication failed" in message or code == _UNAUTHENTICATED or "user name is empty" in message:
+    if (
+        "authentication failed" in message
+        or code == _UNAUTHENTICATED
+        or "user name is empty" in message
+    ):
         raise StoreAuthenticationError(
             f"{where} (pass the right user and password; etcd has authentication enabled)"
         )
     if code == _PERMISSION:
-        raise StoreAuthenticationError(f"{where} (grant this etcd user read/write on the key prefix)")
+        raise StoreAuthenticationError(
+            f"{where} (grant this etcd user read/write on the key prefix)"
+        )
     if code == _NOT_FOUND and "lease" in message:
         raise SessionExpiredError(f"{where}: this client's session expired")
     if code == _OUT_OF_RANGE and "compacted" in message:

@@ -99,5 +99,8 @@ class EtcdLease:
                 pass
             except StoreError as exc:
                 logger.warning(
-                    "could not revoke etcd lease %s (%s): its keys vanish after %d s", lease_id, exc, self.ttl
+                    "could not revoke etcd lease %s (%s): its keys vanish after %d s",
+                    lease_id,
+                    exc,
+                    self.ttl,
                 )

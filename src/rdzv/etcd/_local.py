@@ -127,7 +127,9 @@ class _Member:
         """Whether the member answers /health with ``true`` (it is up and sees a leader)."""
         context = self.tls.client_context() if self.tls else None
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=2, context=context) as r:
+            with urllib.request.urlopen(
+                f"{self.client_url}/health", timeout=2, context=context
+            ) as r:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError):
             return False
@@ -176,7 +178,8 @@ def _wait_healthy(members: Sequence[_Member], timeout: float) -> None:
         for member in list(pending):
             if not member.alive():
                 raise LocalEtcdError(
-                    f"etcd {member.name} ({member.binary}) exited during startup:\n{member.log_tail()}"
+                    f"etcd {member.name} ({member.binary}) exited during startup:\n"
+                    f"{member.log_tail()}"
                 )
             if member.healthy():
                 pending.remove(member)
@@ -223,7 +226,8 @@ class LocalEtcdCluster:
         self._root = tempfile.mkdtemp(prefix="rdzv-etcd-")
         try:
             self._members = [
-                _Member(self.binary, f"m{i}", self._root, self.tls, self.extra_args) for i in range(self._size)
+                _Member(self.binary, f"m{i}", self._root, self.tls, self.extra_args)
+                for i in range(self._size)
             ]
             cluster = ",".join(f"{m.name}={m.peer_url}" for m in self._members)
             for member in self._members:

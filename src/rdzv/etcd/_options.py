@@ -29,7 +29,9 @@ _OPTION_NAMES = {
 }  # fmt: skip
 
 
-def parse_endpoints(spec: Union[str, Sequence[str]], protocol: str | None = None) -> tuple[str, tuple[str, ...]]:
+def parse_endpoints(
+    spec: Union[str, Sequence[str]], protocol: str | None = None
+) -> tuple[str, tuple[str, ...]]:
     """``(protocol, ("host:port", ...))`` from ``"h1:2379,https://h2"`` or a list of such strings.
 
     A missing port means 2379; a missing scheme means ``protocol`` (default ``http``). Every
@@ -45,7 +47,9 @@ def parse_endpoints(spec: Union[str, Sequence[str]], protocol: str | None = None
         scheme, sep, rest = item.partition("://")
         if sep:
             if scheme not in ("http", "https"):
-                raise ValueError(f"etcd endpoint {raw!r}: scheme must be http or https, not {scheme!r}")
+                raise ValueError(
+                    f"etcd endpoint {raw!r}: scheme must be http or https, not {scheme!r}"
+                )
             schemes.add(scheme)
         else:
             rest = item
@@ -132,7 +136,8 @@ class EtcdOptions:
         unknown = sorted(set(values) - _OPTION_NAMES)
         if strict and unknown:
             raise TypeError(
-                f"unknown etcd option(s) {', '.join(unknown)}; known: {', '.join(sorted(_OPTION_NAMES))}"
+                f"unknown etcd option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(_OPTION_NAMES))}"
             )
         protocol, parsed = parse_endpoints(endpoints, values.get("protocol"))
         kwargs: dict[str, Any] = {"endpoints": parsed, "protocol": protocol}

@@ -246,7 +246,9 @@ class EtcdStore(Store):
     def _lease(self, ephemeral: bool) -> str | None:
         return self.session.id() if ephemeral else None
 
-    def _write(self, path: str, body: dict[str, Any], lease: str | None, **kwargs: Any) -> dict[str, Any]:
+    def _write(
+        self, path: str, body: dict[str, Any], lease: str | None, **kwargs: Any
+    ) -> dict[str, Any]:
         try:
             return self.client.call(path, body, **kwargs)
         except SessionExpiredError as exc:
@@ -265,7 +267,10 @@ class EtcdStore(Store):
         latest = {self.etcd_key(k): to_bytes(v) for k, v in zip(keys, values)}  # last one wins
         items = list(latest.items())
         for start in range(0, len(items), MAX_TXN_OPS):
-            ops = [{"request_put": self._put(k, v, None)} for k, v in items[start : start + MAX_TXN_OPS]]
+            ops = [
+                {"request_put": self._put(k, v, None)}
+                for k, v in items[start : start + MAX_TXN_OPS]
+            ]
             self.client.call("kv/txn", {"success": ops})
 
     def delete_key(self, key: str) -> bool:
@@ -306,7 +311,9 @@ class EtcdStore(Store):
         kvs = answer["responses"][0]["response_range"].get("kvs")
         return unb64(kvs[0].get("value")) if kvs else exp
 
-    def _update(self, key: str, change: Change, *, keep_lease: bool, lease: str | None = None) -> bytes:
+    def _update(
+        self, key: str, change: Change, *, keep_lease: bool, lease: str | None = None
+    ) -> bytes:
         """Read-modify-write ``key`` as a transaction on its mod_revision, retried on conflict.
 
         ``change(current)`` returns ``(result, value to write or None)``. The new value keeps
@@ -322,7 +329,9 @@ class EtcdStore(Store):
             mod = int(kv["mod_revision"]) if kv else 0
             put_lease = (kv.get("lease") if kv else None) if keep_lease else lease
             body = {
-                "compare": [{"key": b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": mod}],
+                "compare": [
+                    {"key": b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": mod}
+                ],
                 "success": [{"request_put": self._put(k, new, put_lease)}],
                 "failure": [{"request_range": {"key": b64(k)}}],
             }
@@ -330,7 +339,11 @@ class EtcdStore(Store):
                 answer = self._write("kv/txn", body, put_lease, retry_ambiguous=False)
             except EtcdAmbiguousError:
                 kv = self._get_kv(k)
-                if kv is not None and int(kv["mod_revision"]) != mod and unb64(kv.get("value")) == new:
+                if (
+                    kv is not None
+                    and int(kv["mod_revision"]) != mod
+                    and unb64(kv.get("value")) == new
+                ):
                     return result  # our write went through before the answer was lost
                 continue
             except SessionExpiredError:
@@ -359,6 +372,8 @@ class EtcdStore(Store):
         self.client.close()
 
 
-def _compare_set(current: bytes | None, expected: bytes, desired: bytes) -> tuple[bytes, bytes | None]:
+def _compare_set(
+    current: bytes | None, expected: bytes, desired: bytes
+) -> tuple[bytes, bytes | None]:
     result, write = compare_set_result(current, expected, desired)
     return result, desired if write else None
