@@ -4,7 +4,7 @@ Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--n
 
 How nodes are simulated: every node is a thread with its own handler and its own store
 connection (rdzv: a TCPStore client with its session; torch: a TCPStore client), and the threads
-are spread over up to ``--procs`` worker processes (default 4), all on 127.0.0.1. rdzv's store
+are spread over up to ``--procs`` worker processes (default 8), all on 127.0.0.1. rdzv's store
 server runs in its own process; torch's TCPStore server (C++) in this one. Workers start their
 threads at one instant of CLOCK_MONOTONIC (shared by the processes of a machine) and report when
 their last node returned; a time is the latest return minus the start.
@@ -28,6 +28,7 @@ one shared state value with compare-and-set, retrying on conflicts).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -300,7 +301,7 @@ def ratio(torch_s: float | None, rdzv_s: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="2,8,32,128,1000,10000")
-    parser.add_argument("--procs", type=int, default=4, help="worker processes per scenario")
+    parser.add_argument("--procs", type=int, default=8, help="worker processes per scenario")
     parser.add_argument("--no-torch", action="store_true", help="rdzv only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -310,12 +311,9 @@ def main() -> None:
     if args.serve:
         return serve_main()
     with_torch = not args.no_torch
-    if with_torch:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            print("torch is not installed: rdzv only (pip install torch==2.13.0 for the comparison)")
-            with_torch = False
+    if with_torch and importlib.util.find_spec("torch") is None:
+        print("torch is not installed: rdzv only (pip install torch==2.13.0 for the comparison)")
+        with_torch = False
 
     print(f"barrier: N nodes call next_rendezvous together (min = max = N), "
           f"threads over {args.procs} processes")

@@ -6,7 +6,6 @@ killed mid-round gives the waiting nodes a clear RendezvousConnectionError, not 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -24,7 +24,6 @@ from typing import Callable
 from ..errors import (
     RendezvousClosedError,
     RendezvousError,
-    RendezvousStateError,
     RendezvousTimeoutError,
 )
 from ..store import PrefixStore, Store
@@ -37,9 +36,11 @@ from ._layout import (
     RunKeys,
     decode_int,
     decode_node,
+    decode_rank,
     decode_status,
     encode_decision,
     encode_node,
+    encode_rank,
 )
 
 logger = logging.getLogger(__name__)
@@ -189,23 +190,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._join_timeout
         previous = self._member
-        latest = self._latest_sealed()
-        rejoin = previous is not None and previous.round == latest
-        round_ = latest + 1
+        # A member goes straight to the round after its own; a newer one makes it late there.
+        round_ = previous.round + 1 if previous else self._latest_sealed() + 1
         while True:
-            info = self._join_round(round_, previous if rejoin else None, deadline)
+            info = self._join_round(round_, previous, deadline)
             if info is not None:
                 return info
-            round_ += 1
-            rejoin = False
+            round_, previous = max(round_, self._latest_sealed()) + 1, None
 
     def _join_round(
         self, r: int, previous: Membership | None, deadline: float
     ) -> RendezvousInfo | None:
         store, keys = self._store, self._keys
-        if store.try_get(keys.closed) is not None:
-            self._leave_round()
-            raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
         index = store.add(keys.count(r), 1) - 1
         node = NodeDescriptor(
             self._node_id, self._host, os.getpid(), free_port(self._host),
@@ -224,11 +220,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store.set(self._owned[-1], b"1", ephemeral=True)
         armed_since: float | None = None
         since = store.revision(keys.ctl(r))
+        woken = False
         while True:
-            view, decision = self._observe(r)
+            if woken:  # most wake-ups are the seal: one read tells a member everything
+                raw = store.try_get(keys.rank(r, index))
+                if raw is not None:
+                    return self._collect(r, index, raw, previous)
+            view = self._observe(r)
             now = time.monotonic()
             step = decide(view, self._rules, now, deadline, armed_since)
             armed_since = step.armed_since
+            woken = False
             if step.action is Action.CLOSED:
                 self._leave_round()
                 raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
@@ -244,28 +246,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
                 if not self._try_seal(r):  # another node holds the sealer lock: wait for it
-                    since = self._watch(keys.ctl(r), since, deadline - now)
+                    since, woken = self._watch(keys.ctl(r), since, deadline - now), True
+                else:
+                    woken = True
             elif step.action is Action.COLLECT:
-                assert isinstance(decision, Decision)
-                return self._collect(r, index, decision, previous)
+                return self._collect(r, index, store.try_get(keys.rank(r, index)), previous)
             else:
                 self._delete_garbage()  # while idle
-                since = self._watch(keys.ctl(r), since, step.wake_at - now)
+                since, woken = self._watch(keys.ctl(r), since, step.wake_at - now), True
 
-    def _observe(self, r: int) -> tuple[RoundView, Decision | bool | None]:
+    def _observe(self, r: int) -> RoundView:
         """The round as seen now; counts the decision cannot need are not read (left 0)."""
         store, keys, rules = self._store, self._keys, self._rules
         status_key = keys.status(r)
         status = decode_status(status_key, store.try_get(status_key))
         if status is not None:
-            return RoundView(status is True, status is not True, 0, 0, 0, False), status
+            return RoundView(status is True, status is not True, 0, 0, 0, False)
         alive = store.count_keys(keys.nodes(r))
         expected = store.count_keys(keys.expect_dir(r))
         rejoined = store.count_keys(keys.back_dir(r)) if expected else 0
         armed = rules.min_nodes <= alive < rules.max_nodes and (
             store.try_get(keys.armed(r)) is not None
         )
-        return RoundView(False, False, alive, rejoined, expected, armed), None
+        return RoundView(False, False, alive, rejoined, expected, armed)
 
     def _try_seal(self, r: int) -> bool:
         """Seal round r if this node gets the sealer lock (its death frees the lock).
@@ -290,30 +293,27 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rank0 = joiners[next(i for i, rank in ranks.items() if rank == 0)]
         decision = Decision(len(ranks), rank0.host, rank0.port)
         names = [keys.rank(r, i) for i in ranks] + [keys.status(r), keys.sealed]
-        values = [str(rank).encode() for rank in ranks.values()]
+        values = [encode_rank(rank, decision) for rank in ranks.values()]
         store.multi_set(names, values + [encode_decision(decision), str(r).encode()])
         logger.info("rendezvous %s round %d sealed by %s: world_size %d",
                     keys.run_id, r, self._node_id, decision.world_size)
+        if store.try_get(keys.closed) is not None:  # closed meanwhile: close the next round
+            store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
         return True
 
     def _collect(
-        self, r: int, index: int, decision: Decision, previous: Membership | None
+        self, r: int, index: int, raw: bytes | None, previous: Membership | None
     ) -> RendezvousInfo | None:
-        """This node's RendezvousInfo for the sealed round r, or None if it is late for it."""
+        """This node's RendezvousInfo from its rank key in sealed round r; None if it is late."""
         store, keys = self._store, self._keys
-        rank_key = keys.rank(r, index)
-        raw = store.try_get(rank_key)
         if raw is None:
             logger.info("rendezvous %s: %s is late for round %d", keys.run_id, self._node_id, r)
             store.delete_key(self._owned[0])  # not a member: not expected in round r+1
             self._garbage += self._stale + self._owned[1:]
             self._stale, self._owned = [], []
             return None
-        rank = decode_int(rank_key, raw, -1)
-        if not 0 <= rank < decision.world_size:
-            raise RendezvousStateError(
-                f"rendezvous key {rank_key!r}: rank {rank} outside 0..{decision.world_size - 1}"
-            )
+        rank_key = keys.rank(r, index)
+        rank, decision = decode_rank(rank_key, raw)
         self._delete_garbage()
         # Only the liveness for round r+1 (expect) stays; the rest was needed to form round r.
         self._garbage = self._stale + self._owned[1:] + [rank_key]

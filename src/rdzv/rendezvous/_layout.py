@@ -10,7 +10,7 @@ key                            meaning
 ``round/<r>/count``            arrival counter: ``add(count, 1)`` gives each joiner its index ``i``
 ``round/<r>/nodes/<i>``        EPHEMERAL descriptor of joiner ``i`` (its liveness while r forms)
 ``round/<r>/back/<i>``         EPHEMERAL: joiner ``i`` was a member of round r-1 (a rejoin)
-``round/<r>/rank/<i>``         the rank of joiner ``i`` (written by the sealer, one ``multi_set``)
+``round/<r>/rank/<i>``         joiner ``i``'s rank and the round's decision (sealer, one ``multi_set``)
 ``round/<r>/ctl/status``       the decision once sealed, or ``closed``; absent while forming
 ``round/<r>/ctl/armed``        written once when the round may complete and min_nodes are alive
 ``round/<r>/ctl/sealer``       EPHEMERAL lock of the one node that lists the joiners and seals
@@ -170,17 +170,37 @@ def encode_decision(decision: Decision) -> bytes:
 CLOSED_STATUS = _dump({"t": "closed"})
 
 
+def encode_rank(rank: int, decision: Decision) -> bytes:
+    """A member's rank key: its rank with the decision, so one read tells a member everything."""
+    return _dump({"t": "rank", "rank": rank, "world_size": decision.world_size,
+                  "addr": decision.master_addr, "port": decision.master_port})
+
+
+def decode_rank(key: str, raw: bytes) -> tuple[int, Decision]:
+    data = _load(key, raw, "rank")
+    decision = _decision(key, data)
+    rank = _field(key, data, "rank", int)
+    if not 0 <= rank < decision.world_size:
+        raise RendezvousStateError(
+            f"rendezvous key {key!r}: rank {rank} outside 0..{decision.world_size - 1}"
+        )
+    return rank, decision
+
+
+def _decision(key: str, data: dict[str, Any]) -> Decision:
+    world_size = _field(key, data, "world_size", int)
+    if world_size < 1:
+        raise RendezvousStateError(f"rendezvous key {key!r}: world_size {world_size} < 1")
+    return Decision(world_size, _field(key, data, "addr", str), _field(key, data, "port", int))
+
+
 def decode_status(key: str, raw: bytes | None) -> Decision | None | bool:
     """A round's status: None (forming), a Decision (sealed) or True (closed)."""
     if raw is None:
         return None
     if raw == CLOSED_STATUS:
         return True
-    data = _load(key, raw, "sealed")
-    world_size = _field(key, data, "world_size", int)
-    if world_size < 1:
-        raise RendezvousStateError(f"rendezvous key {key!r}: world_size {world_size} < 1")
-    return Decision(world_size, _field(key, data, "addr", str), _field(key, data, "port", int))
+    return _decision(key, _load(key, raw, "sealed"))
 
 
 def decode_int(key: str, raw: bytes | None, default: int) -> int:

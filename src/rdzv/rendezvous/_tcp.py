@@ -55,10 +55,10 @@ def is_local_host(host: str) -> bool:
     if host in names:
         return True
     try:
-        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        wanted = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
         local: set[str] = set()
         for name in names:
-            local |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+            local |= {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
     except OSError:
         return False
     return bool(wanted & local) or any(a.startswith("127.") for a in wanted)
