@@ -1,0 +1,67 @@
+"""The versioned JSON records of the rendezvous state: round trips and clear errors for bad data."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdzv.errors import RendezvousStateError
+from rdzv.rendezvous._layout import (
+    CLOSED_STATUS,
+    Decision,
+    NodeDescriptor,
+    RunKeys,
+    decode_int,
+    decode_node,
+    decode_rank,
+    decode_status,
+    encode_decision,
+    encode_node,
+    encode_rank,
+)
+
+KEY = "rdzv/job/round/0/x"
+
+
+def test_round_trips():
+    node = NodeDescriptor("n1", "10.0.0.1", 42, 29500, 3)
+    assert decode_node(KEY, encode_node(node)) == node
+    decision = Decision(4, "10.0.0.1", 29500)
+    assert decode_status(KEY, encode_decision(decision)) == decision
+    assert decode_status(KEY, CLOSED_STATUS) is True
+    assert decode_status(KEY, None) is None
+    assert decode_rank(KEY, encode_rank(3, decision)) == (3, decision)
+
+
+@pytest.mark.parametrize(
+    "decode, raw, says",
+    [
+        (decode_node, b"\x80\x03pickle", "does not hold rdzv JSON"),
+        (decode_node, b'{"v": 2, "t": "node"}', "not a version 1 'node' record"),
+        (decode_node, b'{"v": 1, "t": "sealed", "world_size": 1}', "'node' record"),
+        (decode_node, b'{"v":1,"t":"node","id":"a","host":"h","pid":"1","port":1}', "'pid'"),
+        (decode_status, b"[1, 2]", "not a version 1"),
+        (decode_status, b'{"v":1,"t":"sealed","world_size":0,"addr":"h","port":1}',
+         "world_size 0"),
+        (decode_rank, b'{"v":1,"t":"rank","rank":4,"world_size":4,"addr":"h","port":1}',
+         "rank 4 outside 0..3"),
+        (decode_rank, b'{"v":1,"t":"rank","rank":true,"world_size":4,"addr":"h","port":1}',
+         "'rank' must be int"),
+    ],
+)
+def test_bad_records_name_the_key(decode, raw, says):
+    with pytest.raises(RendezvousStateError) as info:
+        decode(KEY, raw)
+    assert KEY in str(info.value) and says in str(info.value)
+
+
+def test_counters_and_run_ids():
+    assert decode_int(KEY, None, -1) == -1
+    assert decode_int(KEY, b"7", -1) == 7
+    with pytest.raises(RendezvousStateError, match="must hold an integer"):
+        decode_int(KEY, b"seven", -1)
+    for bad in ("", "a/b", "a b"):
+        with pytest.raises(ValueError, match="run_id"):
+            RunKeys(bad)
+    keys = RunKeys("job")
+    assert keys.expect(1, 5) == "rdzv/job/round/1/ctl/expect/5"
+    assert keys.status(0).startswith(keys.ctl(0))
