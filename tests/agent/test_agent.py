@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from typing import Any
 
 import pytest
@@ -14,24 +15,40 @@ JOIN = 60.0
 """Seconds for a round to form and its workers to start on a loaded machine."""
 
 
-@pytest.fixture(params=["file"])
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(params=["tcp", "file"])
 def rdzv(request: Any, tmp_path: Any) -> Any:
-    """Rendezvous flags for one run of a given backend, and the workers' output directory."""
+    """Rendezvous flags for one run of a given backend, and the workers' output directory.
+
+    With tcp, the first node started hosts the store server; tests kill or stop only others.
+    """
 
     class Run:
         backend = request.param
         out = tmp_path / "out"
         stop_file = str(tmp_path / "stop")
+        endpoint = f"127.0.0.1:{free_port()}" if backend == "tcp" else str(tmp_path / "rdzv")
 
-        def args(self, nnodes: str, nproc: int = 2, *extra: str, conf: str = "") -> list[str]:
+        def args(self, nnodes: str, nproc: int = 2, *extra: str) -> list[str]:
             settings = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
             return [
                 "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-                "--rdzv-backend", self.backend, "--rdzv-endpoint", str(tmp_path / "rdzv"),
-                "--rdzv-id", "job", "--rdzv-conf", settings + ("," + conf if conf else ""),
+                "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint,
+                "--rdzv-id", "job", "--rdzv-conf", settings,
                 "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"),
                 "--stop-timeout", "5", *extra,
             ]
+
+        def start(self, agents: Any, count: int, args: list[str]) -> list[Any]:
+            """Start ``count`` agents; the first is up (hosting a tcp store) before the others."""
+            first = agents.start(args)
+            wait_for(lambda: "waiting for nodes" in first.output(), JOIN, "the first agent")
+            return [first] + [agents.start(args) for _ in range(count - 1)]
 
         def worker(self, *extra: str) -> list[str]:
             return [WORKER, str(self.out), *extra]
@@ -54,7 +71,7 @@ def rdzv(request: Any, tmp_path: Any) -> Any:
 
 
 def test_two_agents_give_their_workers_torch_env(agents: Any, rdzv: Any) -> None:
-    nodes = [agents.start(rdzv.args("2", 2) + rdzv.worker()) for _ in range(2)]
+    nodes = rdzv.start(agents, 2, rdzv.args("2", 2) + rdzv.worker())
     assert [node.wait() for node in nodes] == [0, 0], nodes[0].output() + nodes[1].output()
     records = worker_records(str(rdzv.out))
     assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2, 3]
@@ -82,7 +99,7 @@ def test_a_crashing_worker_is_restarted_then_the_run_fails_with_a_summary(
     agents: Any, rdzv: Any
 ) -> None:
     args = rdzv.args("2", 2, "--max-restarts", "2") + rdzv.worker("--fail-rank", "3")
-    nodes = [agents.start(args) for _ in range(2)]
+    nodes = rdzv.start(agents, 2, args)
     codes = [node.wait() for node in nodes]
     failed = nodes[codes.index(1)] if 1 in codes else None
     assert failed is not None, f"exit codes {codes}:\n{nodes[0].output()}{nodes[1].output()}"
@@ -103,7 +120,7 @@ def test_a_crashing_worker_is_restarted_then_the_run_fails_with_a_summary(
 
 def test_a_third_agent_joining_mid_run_grows_the_group_to_six(agents: Any, rdzv: Any) -> None:
     args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
-    nodes = [agents.start(args) for _ in range(2)]
+    nodes = rdzv.start(agents, 2, args)
     rdzv.running(4)
     nodes.append(agents.start(args))
     records = rdzv.running(6)
@@ -119,10 +136,10 @@ def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
     agents: Any, rdzv: Any
 ) -> None:
     args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
-    nodes = [agents.start(args) for _ in range(3)]
+    nodes = rdzv.start(agents, 3, args)
     records = rdzv.running(6)
-    victim_rank = "2"
-    victim = next(n for n in nodes if n.output().count("this node is group rank " + victim_rank))
+    victim = nodes[2]
+    victim_rank = victim.output().split("this node is group rank ")[1].split()[0]
     victim_workers = [r["pid"] for r in records if r["GROUP_RANK"] == victim_rank]
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -139,7 +156,7 @@ def test_sigterm_makes_an_agent_leave_cleanly_and_the_others_reform(
     agents: Any, rdzv: Any
 ) -> None:
     args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
-    nodes = [agents.start(args) for _ in range(3)]
+    nodes = rdzv.start(agents, 3, args)
     rdzv.running(6)
     leaving = nodes[1]
     leaving.signal(signal.SIGTERM)

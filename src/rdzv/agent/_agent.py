@@ -38,8 +38,8 @@ from ._round import (
     MembershipWatcher,
     all_done,
     assign,
+    leave_round,
     mark_done,
-    wait_all_done,
 )
 from ._workers import WorkerExited, WorkerGroup, WorkerSpec
 
@@ -50,6 +50,8 @@ PROGRESS_INTERVAL = 10.0
 """Seconds between 'still waiting' messages while a round forms."""
 ASSIGN_TIMEOUT = 60.0
 """Seconds a node waits for the other nodes of a formed round to exchange their worker counts."""
+LEAVE_TIMEOUT = 30.0
+"""Seconds the node serving the store waits for the others to leave a finished round."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 
@@ -76,10 +78,9 @@ class RoundFormed:
 
 @dataclass(frozen=True)
 class AllDone:
-    """Event: every node of round ``generation`` has finished (or the wait for them timed out)."""
+    """Event: every node of round ``generation`` has finished."""
 
     generation: int
-    complete: bool
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,10 @@ class ElasticAgent:
             if action is Action.SUCCEED:
                 group.stop(timeout=config.stop_timeout)
                 self._close()
+                try:
+                    leave_round(info, LEAVE_TIMEOUT)
+                except RendezvousError as exc:
+                    logger.warning("cannot tell the other nodes that this one leaves: %s", exc)
                 self.say("every node has finished; this node's workers succeeded")
                 return 0
             if action is Action.LEAVE:
@@ -313,13 +318,22 @@ class ElasticAgent:
         until every node of the round has finished too.
         """
         generation = self._generation
-        watcher = MembershipWatcher(self.handler, self._events, generation,
-                                    self.config.monitor_interval)
-        watcher.start()
-        finished = False
+        watcher = self._watch(generation)
+        finished_at: float | None = None
+        closed_seen = False
         try:
             while True:
-                event = self._events.get()
+                wait = PROGRESS_INTERVAL
+                if finished_at is not None:
+                    wait = finished_at + EXIT_BARRIER_TIMEOUT - time.monotonic()
+                try:
+                    event = self._events.get(timeout=max(0.0, wait))
+                except queue.Empty:
+                    if finished_at is None:
+                        continue
+                    self.say(f"not every node finished within {EXIT_BARRIER_TIMEOUT:g} s; "
+                             "leaving anyway")
+                    return Action.SUCCEED, 0
                 if isinstance(event, Signalled):
                     return Action.LEAVE, event.signum
                 if getattr(event, "generation", None) != generation:
@@ -328,21 +342,22 @@ class ElasticAgent:
                     codes = group.returncodes()
                     action = on_worker_exit(codes, self.restarts, self.config.max_restarts)
                     if action is Action.SUCCEED:
-                        finished = True
+                        finished_at = time.monotonic()
                         self.say(f"all {len(codes)} worker(s) of this node succeeded; waiting "
                                  "for the other nodes to finish")
-                        self._wait_all_done_in_background(info, generation)
+                        self._mark_done(info)
+                        if closed_seen:  # the run is over: nobody re-forms any more
+                            return Action.SUCCEED, 0
+                        watcher.also_report(lambda: all_done(info), AllDone(generation))
                         continue
                 elif isinstance(event, MembershipChanged):
                     closed = self.handler.is_closed() or all_done(info)
-                    action = on_membership_change(closed, finished)
+                    action = on_membership_change(closed, finished_at is not None)
                     if action is Action.CONTINUE:
+                        closed_seen = True  # the watcher has ended: a closed run stays closed
                         self.say("the rendezvous was closed by another node; waiting for this "
                                  "node's workers to finish")
                 elif isinstance(event, AllDone):
-                    if not event.complete:
-                        self.say(f"not every node finished within {EXIT_BARRIER_TIMEOUT:g} s; "
-                                 "leaving anyway")
                     action = Action.SUCCEED
                 else:
                     continue
@@ -351,17 +366,17 @@ class ElasticAgent:
         finally:
             watcher.stop()
 
-    def _wait_all_done_in_background(self, info: RendezvousInfo, generation: int) -> None:
-        def wait() -> None:
-            try:
-                mark_done(info)
-                complete = wait_all_done(info, EXIT_BARRIER_TIMEOUT)
-            except RendezvousError as exc:
-                logger.warning("cannot wait for the other nodes to finish: %s", exc)
-                complete = False
-            self._events.put(AllDone(generation, complete))
+    def _watch(self, generation: int) -> MembershipWatcher:
+        watcher = MembershipWatcher(self.handler, self._events, generation,
+                                    self.config.monitor_interval)
+        watcher.start()
+        return watcher
 
-        threading.Thread(target=wait, daemon=True, name=f"rdzv-done-{generation}").start()
+    def _mark_done(self, info: RendezvousInfo) -> None:
+        try:
+            mark_done(info)
+        except RendezvousError as exc:
+            logger.warning("cannot mark this node as finished: %s", exc)
 
     def _membership_news(self) -> str:
         try:
@@ -389,10 +404,7 @@ class ElasticAgent:
     # -- ending ---------------------------------------------------------------------------------
     def _give_up(self, info: RendezvousInfo) -> None:
         """Close the rendezvous; count this node as finished so nobody waits for it."""
-        try:
-            mark_done(info)
-        except RendezvousError as exc:
-            logger.warning("cannot mark this node as finished: %s", exc)
+        self._mark_done(info)
         self._close()
 
     def _close(self) -> None:

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import RendezvousError, RendezvousStateError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 ASSIGN_KEY = "agent/assign/"
 DONE_COUNT_KEY = "agent/done"
 ALL_DONE_KEY = "agent/all-done"
+LEFT_COUNT_KEY = "agent/left"
+ALL_LEFT_KEY = "agent/all-left"
 
 
 @dataclass(frozen=True)
@@ -139,21 +141,32 @@ def all_done(info: RendezvousInfo) -> bool:
     return info.store.check([ALL_DONE_KEY])
 
 
-def wait_all_done(info: RendezvousInfo, timeout: float) -> bool:
-    """Wait (at most ``timeout`` s) until every node of the round has finished; whether all did.
+def hosts_store(store: Store) -> bool:
+    """Whether ``store`` (or the store under a PrefixStore) is served from this process."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return getattr(store, "server", None) is not None
 
-    A node hosting the store must not leave while others still need it.
-    """
-    try:
-        info.store.wait([ALL_DONE_KEY], timeout)
-        return True
-    except RendezvousError as exc:
-        logger.warning("not every node finished within %.3g s: %s", timeout, exc)
-        return False
+
+def leave_round(info: RendezvousInfo, timeout: float) -> None:
+    """Say this node leaves the finished round; the node serving the store waits (at most
+    ``timeout`` s) for every other node to have said so, since they still read from it."""
+    store = info.store
+    if store.add(LEFT_COUNT_KEY, 1) >= info.world_size:
+        store.set(ALL_LEFT_KEY, b"1")
+    if hosts_store(store):
+        try:
+            store.wait([ALL_LEFT_KEY], timeout)
+        except RendezvousError as exc:
+            logger.warning("not every node left within %.3g s: %s", timeout, exc)
 
 
 class MembershipWatcher:
-    """A thread reporting the first membership change of a round (then it ends)."""
+    """A thread reporting the first membership change of a round (then it ends).
+
+    It is the only thread that blocks on the store while the workers run: a TCPStore has one
+    connection, and a second thread blocking on it could starve this one.
+    """
 
     def __init__(self, handler: RendezvousHandler, events: "queue.SimpleQueue[Any]",
                  generation: int, wait_slice: float) -> None:
@@ -161,6 +174,7 @@ class MembershipWatcher:
         self._events = events
         self._generation = generation
         self._slice = wait_slice
+        self._done: tuple[Callable[[], bool], Any] | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"rdzv-membership-{generation}")
@@ -172,9 +186,17 @@ class MembershipWatcher:
         """Stop reporting; the thread ends after its current wait (at most one slice)."""
         self._stopped.set()
 
+    def also_report(self, condition: Callable[[], bool], event: Any) -> None:
+        """Also check ``condition`` between waits and report ``event`` (and end) once it holds."""
+        self._done = (condition, event)
+
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
+                done = self._done
+                if done is not None and done[0]():
+                    self._events.put(done[1])
+                    return
                 changed = self._handler.wait_for_membership_change(self._slice)
             except (RendezvousError, OSError) as exc:
                 if self._stopped.is_set():
