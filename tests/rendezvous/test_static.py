@@ -218,7 +218,25 @@ def test_three_processes_form_the_static_group(start_node) -> None:
 @needs_tcp_store
 def test_a_missing_process_times_out_naming_its_rank(start_node) -> None:
     url = f"static://127.0.0.1:{free_port()}/job?world_size=3&timeout=3&rank="
-    results = [result_of(p) for p in [start_node(url + "0"), start_node(url + "1")]]
-    for result in results:
-        assert result["error"] == "RendezvousTimeoutError"
-        assert "rank(s) [2] of world_size 3 did not arrive within 3 s" in result["message"]
+    host, other = [result_of(p) for p in [start_node(url + "0"), start_node(url + "1")]]
+    assert host["error"] == "RendezvousTimeoutError"
+    assert "rank(s) [2] of world_size 3 did not arrive within 3 s" in host["message"]
+    # Rank 1 times out too, unless rank 0 gave up (and stopped serving the store) first.
+    if other["error"] == "RendezvousConnectionError":
+        assert "rank 1 lost the store hosted by rank 0" in other["message"]
+    else:
+        assert other["error"] == "RendezvousTimeoutError"
+        assert "rank(s) [2] of world_size 3 did not arrive within 3 s" in other["message"]
+
+
+@needs_tcp_store
+def test_losing_rank_0_mid_barrier_is_a_connection_error(start_node) -> None:
+    # rank 1's store tries to reconnect for its timeout (a durable server may come back)
+    url = f"static://127.0.0.1:{free_port()}/job?world_size=3&timeout=10&rank="
+    host = start_node(url + "0")
+    other = start_node(url + "1")
+    time.sleep(2.0)  # both are (most likely) in the barrier now, waiting for rank 2
+    host.kill()
+    result = result_of(other)
+    assert result["error"] == "RendezvousConnectionError", result
+    assert "127.0.0.1" in result["message"]

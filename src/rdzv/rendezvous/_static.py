@@ -168,6 +168,12 @@ class StaticRendezvousHandler(RendezvousHandler):
                 f"{self.master_addr}:{self.master_port}. Start every rank with the same endpoint "
                 f"and run id, or raise the 'timeout' option."
             ) from exc
+        except StoreConnectionError as exc:
+            raise RendezvousConnectionError(
+                f"static rendezvous '{self.run_id}': rank {self.rank} lost the store hosted by "
+                f"rank 0 at {self.master_addr}:{self.master_port} while waiting for the other ranks "
+                f"({exc}); rank 0 stopped (timed out, failed or was killed)."
+            ) from exc
         logger.info(
             "static rendezvous '%s' complete: rank %d of %d", self.run_id, self.rank, self.world_size
         )
