@@ -11,6 +11,7 @@ from .errors import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousParameterError,
     RendezvousStateError,
     RendezvousTimeoutError,
     SessionExpiredError,
@@ -21,7 +22,7 @@ from .errors import (
     StoreTimeoutError,
     StoreValueError,
 )
-from .store import FileStore, HashStore, PrefixStore, Store, StoreCapabilities
+from .store import FileStore, HashStore, PrefixStore, Store, StoreCapabilities, TCPStore
 from .rendezvous import (
     RendezvousHandler,
     RendezvousHandlerRegistry,
@@ -43,6 +44,7 @@ __all__ = [
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousParameterError",
     "RendezvousHandler",
     "RendezvousHandlerRegistry",
     "RendezvousInfo",
@@ -59,6 +61,7 @@ __all__ = [
     "StoreProtocolError",
     "StoreTimeoutError",
     "StoreValueError",
+    "TCPStore",
     "get_rendezvous_handler",
     "handler_registry",
     "parse_rendezvous_url",

@@ -28,6 +28,10 @@ class RendezvousStateError(RendezvousError):
     """The rendezvous state is corrupt, foreign or of an unknown version."""
 
 
+class RendezvousParameterError(RendezvousError, ValueError):
+    """A rendezvous parameter, option or URL is invalid; the message says which and how to fix it."""
+
+
 class RendezvousGracefulExitError(RendezvousError):
     """This node was asked to leave the job and should exit cleanly."""
 

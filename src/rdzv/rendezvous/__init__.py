@@ -10,6 +10,7 @@ from ..errors import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousParameterError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousParameterError",
     "RendezvousHandler",
     "RendezvousHandlerCreator",
     "RendezvousHandlerRegistry",

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
+from ..errors import RendezvousParameterError
 from ..store import Store
 from ._params import check_config, convert_value, option_value
 
@@ -156,7 +157,7 @@ class RendezvousHandler(abc.ABC):
         :meth:`num_nodes_waiting` about once a second until the timeout.
         """
         if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+            raise RendezvousParameterError(f"timeout must be >= 0 seconds, got {timeout}")
         deadline = time.monotonic() + timeout
         while self.num_nodes_waiting() <= 0:
             remaining = deadline - time.monotonic()
@@ -219,35 +220,35 @@ class RendezvousParameters:
         **kwargs: Any,
     ) -> None:
         if not isinstance(backend, str) or not backend.strip():
-            raise ValueError(
+            raise RendezvousParameterError(
                 "The rendezvous backend name must be a non-empty string, e.g. 'tcp' or 'static'."
             )
         if not isinstance(run_id, str) or not run_id.strip():
-            raise ValueError(
+            raise RendezvousParameterError(
                 "The rendezvous run_id must be a non-empty string shared by every node of the job,"
                 " e.g. 'job-42'."
             )
         if "/" in run_id or any(ch.isspace() for ch in run_id):
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The rendezvous run_id {run_id!r} must not contain '/' or whitespace;"
                 " use e.g. 'job-42'."
             )
         if endpoint is None:
             endpoint = ""
         if not isinstance(endpoint, str):
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The rendezvous endpoint must be a string such as 'host:29400', "
                 f"not {type(endpoint).__name__}."
             )
         min_nodes = _node_count("min_nodes", min_nodes)
         max_nodes = _node_count("max_nodes", max_nodes)
         if min_nodes < 1:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The minimum number of rendezvous nodes (min_nodes={min_nodes}) must be"
                 " greater than zero."
             )
         if max_nodes < min_nodes:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The maximum number of rendezvous nodes (max_nodes={max_nodes}) must be greater"
                 f" than or equal to the minimum number of rendezvous nodes (min_nodes={min_nodes})."
             )
@@ -270,7 +271,7 @@ class RendezvousParameters:
             return value
         converted = convert_value(bool, value)
         if converted is None:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The rendezvous configuration option '{key}' does not represent a valid boolean"
                 f" value: got {value!r}; use one of 1/true/yes/on or 0/false/no/off."
             )
@@ -284,7 +285,7 @@ class RendezvousParameters:
         try:
             return int(value)
         except (TypeError, ValueError) as exc:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The rendezvous configuration option '{key}' does not represent a valid integer"
                 f" value: got {value!r}."
             ) from exc
@@ -327,5 +328,5 @@ def _node_count(name: str, value: Any) -> int:
     except (TypeError, ValueError):
         count = None
     if count is None:
-        raise ValueError(f"The rendezvous parameter {name} must be an integer, got {value!r}.")
+        raise RendezvousParameterError(f"The rendezvous parameter {name} must be an integer, got {value!r}.")
     return count

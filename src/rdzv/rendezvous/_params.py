@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..errors import RendezvousParameterError
+
 _TRUE_STRINGS = frozenset({"1", "true", "t", "yes", "y", "on"})
 _FALSE_STRINGS = frozenset({"0", "false", "f", "no", "n", "off"})
 
@@ -38,17 +40,17 @@ class Option:
         except (TypeError, ValueError):
             converted = None
         if converted is None:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The option '{self.name}' of the '{backend}' rendezvous backend must be "
                 f"{self.expected()}, got {value!r}."
             )
         if self.minimum is not None and converted < self.minimum:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The option '{self.name}' of the '{backend}' rendezvous backend must be "
                 f"{self.expected()}, got {value!r}."
             )
         if self.choices and converted not in self.choices:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The option '{self.name}' of the '{backend}' rendezvous backend must be one of "
                 f"{', '.join(self.choices)}; got {value!r}."
             )
@@ -191,9 +193,9 @@ def check_config(backend: str, config: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in config.items():
         option = spec.option(key)
         if option is None:
-            raise ValueError(unknown_option_message(spec, key))
+            raise RendezvousParameterError(unknown_option_message(spec, key))
         if option.name in checked:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The option '{option.name}' of the '{backend}' rendezvous backend was given "
                 f"twice (also as {', '.join(repr(a) for a in option.aliases)}); give it once."
             )

@@ -19,6 +19,7 @@ import threading
 from typing import Any, Callable, Mapping, Union
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
+from ..errors import RendezvousParameterError
 from ._api import RendezvousHandler, RendezvousParameters
 from ._params import RENAMED_PARAMETERS, backend_spec
 
@@ -53,7 +54,7 @@ def _import_creator(reference: str, backend: str) -> RendezvousHandlerCreator:
         for attribute in attributes.strip().split("."):
             creator = getattr(creator, attribute)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(
+        raise RendezvousParameterError(
             f"The rendezvous backend '{backend}' is not available: {reference} could not be "
             f"loaded ({exc}). Check that rdzv (and the backend's extra, e.g. rdzv[etcd]) is "
             f"installed completely."
@@ -86,9 +87,9 @@ class RendezvousHandlerRegistry:
                 (registering the same creator again is allowed).
         """
         if not isinstance(backend, str) or not backend.strip():
-            raise ValueError("The rendezvous backend name must be a non-empty string.")
+            raise RendezvousParameterError("The rendezvous backend name must be a non-empty string.")
         if not callable(creator):
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The creator of rendezvous backend '{backend}' must be callable as "
                 f"creator(params) -> RendezvousHandler, got {creator!r}."
             )
@@ -97,7 +98,7 @@ class RendezvousHandlerRegistry:
             same = current is None or current is creator or current == _reference(creator)
             if not same:
                 shown = current if isinstance(current, str) else _reference(current)  # type: ignore[arg-type]
-                raise ValueError(
+                raise RendezvousParameterError(
                     f"The rendezvous backend '{backend}' cannot be registered with "
                     f"{_reference(creator)} as it is already registered with {shown}. "
                     f"Choose another backend name."
@@ -116,7 +117,7 @@ class RendezvousHandlerRegistry:
         if entry is None:
             entry_point = self._entry_points().get(backend)
             if entry_point is None:
-                raise ValueError(
+                raise RendezvousParameterError(
                     f"The rendezvous backend '{backend}' is not registered. Known backends: "
                     f"{', '.join(self.known_backends()) or 'none'}. Register it with "
                     f"register('{backend}', creator)"
@@ -194,8 +195,8 @@ def _example(backend: str) -> str:
     return _EXAMPLES.get(backend, f"{backend}://HOST:PORT/RUN_ID?min_nodes=2&max_nodes=4")
 
 
-def _url_error(url: str, backend: str, problem: str) -> ValueError:
-    return ValueError(
+def _url_error(url: str, backend: str, problem: str) -> RendezvousParameterError:
+    return RendezvousParameterError(
         f"Invalid rendezvous URL {url!r}: {problem}. Example: {_example(backend)}"
     )
 
@@ -323,7 +324,7 @@ def rendezvous_url(params: RendezvousParameters) -> str:
         head = f"{params.backend}://{run_id}"
     elif kind == "path":
         if not params.endpoint.startswith("/"):
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"A {params.backend} URL needs an absolute directory, got {params.endpoint!r}."
             )
         head = f"{params.backend}://{quote(params.endpoint.rstrip('/'))}/{run_id}"

@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 
 from ..errors import (
+    RendezvousParameterError,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousTimeoutError,
@@ -44,7 +45,7 @@ def parse_host_port(endpoint: str, backend: str = "static") -> tuple[str, int]:
     else:
         host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
+        raise RendezvousParameterError(
             f"The endpoint of the '{backend}' rendezvous backend must be the master's "
             f"HOST:PORT, e.g. '10.0.0.1:29400', got {endpoint!r}."
         )
@@ -71,7 +72,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         store: Store | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The static rendezvous rank must be in 0..{world_size - 1} "
                 f"(world_size={world_size}), got rank={rank}."
             )
@@ -199,7 +200,7 @@ class StaticRendezvousHandler(RendezvousHandler):
     def wait_for_membership_change(self, timeout: float) -> bool:
         """A static group never changes: wait ``timeout`` (or until closed here) and return False."""
         if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+            raise RendezvousParameterError(f"timeout must be >= 0 seconds, got {timeout}")
         self._closed.wait(timeout)
         return False
 
@@ -224,7 +225,7 @@ def create_handler(params: RendezvousParameters) -> StaticRendezvousHandler:
     if world_size is None:
         world_size = _from_env("WORLD_SIZE", required=False) or params.max_nodes
     if params.min_nodes != params.max_nodes or world_size != params.max_nodes:
-        raise ValueError(
+        raise RendezvousParameterError(
             f"A static rendezvous has a fixed size: min_nodes ({params.min_nodes}), max_nodes "
             f"({params.max_nodes}) and world_size ({world_size}) must be equal."
         )
@@ -243,12 +244,12 @@ def _from_env(name: str, required: bool = True) -> int | None:
     value = os.environ.get(name)
     if value is None:
         if required:
-            raise ValueError(
+            raise RendezvousParameterError(
                 f"The static rendezvous needs this node's {name.lower()}: give the option "
                 f"{name.lower()}=N (e.g. static://HOST:PORT/RUN_ID?rank=0&world_size=2) or set "
                 f"the environment variable {name}."
             )
         return None
     if not value.strip().isdigit():
-        raise ValueError(f"The environment variable {name} must be an integer >= 0, got {value!r}.")
+        raise RendezvousParameterError(f"The environment variable {name} must be an integer >= 0, got {value!r}.")
     return int(value)
