@@ -96,10 +96,14 @@ class EtcdClient:
         return self.options.endpoints[self._current % len(self.options.endpoints)]
 
     def _fail_over(self, endpoint: str, reason: str) -> None:
+        """Move on from ``endpoint`` (unless another thread did) and drop its idle connections."""
         with self._lock:
+            stale = self._idle.pop(endpoint, [])
             if self.endpoint == endpoint:
                 self._current += 1
                 logger.warning("etcd %s failed (%s); trying %s", endpoint, reason, self.endpoint)
+        for conn in stale:
+            conn.close()
 
     def _connect(self, endpoint: str, timeout: float) -> http.client.HTTPConnection:
         if self._closed:
@@ -313,7 +317,7 @@ class EtcdClient:
                         raise _Transient("watch stream closed by the server", sent=True)
                     message = _decode(endpoint, "watch", 200, line)
                     if "error" in message:
-                        _raise_error(endpoint, "watch", message["error"])
+                        _raise_error(endpoint, "watch", message)
                     result = message.get("result", {})
                     created = created or bool(result.get("created"))
                     if result.get("compact_revision") and result.get("canceled"):
@@ -372,7 +376,9 @@ def _decode(endpoint: str, path: str, status: int, raw: bytes) -> dict[str, Any]
 
 def _raise_error(endpoint: str, path: str, answer: dict[str, Any]) -> None:
     """Raise the rdzv error for an etcd error answer ``{"code": ..., "message": ...}``."""
-    code = int(answer.get("code", answer.get("grpc_code", 2)))  # stream errors say grpc_code
+    if isinstance(answer.get("error"), dict):  # a stream's error: {"error": {"grpc_code": ...}}
+        answer = answer["error"]
+    code = int(answer.get("code", answer.get("grpc_code", 2)))
     message = str(answer.get("message") or answer.get("error") or answer)
     where = f"etcd at {endpoint} rejected {path}: {message}"
     if code == _UNAUTHENTICATED and "token" in message:

@@ -106,10 +106,10 @@ class EtcdStore(Store):
         """The etcd range of a path: an exact key, a ``dir/`` or ``""`` (the whole prefix)."""
         if path and not path.endswith("/"):
             return {"key": b64(self.etcd_key(path))}
-        start = self._head + path.encode()
-        return {"key": b64(start or b"\0"), "range_end": b64(prefix_range_end(start))}
+        return self._prefix_range(path)
 
     def _prefix_range(self, prefix: str) -> dict[str, str]:
+        """The etcd range of every key starting with ``prefix`` (under the store's prefix)."""
         start = self._head + prefix.encode()
         return {"key": b64(start or b"\0"), "range_end": b64(prefix_range_end(start))}
 
@@ -119,22 +119,23 @@ class EtcdStore(Store):
         return kvs[0] if kvs else None
 
     def _read(self, keys: list[str], count_only: bool = False) -> tuple[list[KV | None], int]:
-        """The current kv of each key (None if missing) and the revision they were read at."""
+        """The current kv of each key (None if missing) and a revision they were all read at
+        or after (the earliest, when etcd's limit per transaction splits the read)."""
         found: list[KV | None] = []
-        revision = 0
+        revisions = [0]
         for start in range(0, len(keys), MAX_TXN_OPS):
             chunk = keys[start : start + MAX_TXN_OPS]
             ops = [{"request_range": {"key": b64(self.etcd_key(k)), "count_only": count_only}}
                    for k in chunk]  # fmt: skip
             answer = self.client.call("kv/txn", {"success": ops})
-            revision = int(answer["header"]["revision"])
+            revisions.append(int(answer["header"]["revision"]))
             for response in answer.get("responses", []):
                 result = response["response_range"]
                 if count_only:
                     found.append(result if int(result.get("count", 0)) else None)
                 else:
                     found.append(result["kvs"][0] if result.get("kvs") else None)
-        return found, revision
+        return found, min(revisions[1:], default=0)
 
     def try_get(self, key: str) -> bytes | None:
         kv = self._get_kv(self.etcd_key(key))
