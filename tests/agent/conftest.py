@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,8 @@ WORKER = os.path.join(HERE, "_worker.py")
 EXIT_TIMEOUT = 90.0
 """Seconds an agent may take to finish on a loaded 2-core machine."""
 POLL = 0.05
+JOIN = 60.0
+"""Seconds for a round to form and its workers to start on a loaded machine."""
 
 
 class Agent:
@@ -118,3 +121,58 @@ def agents(tmp_path: Any) -> Any:
             os.kill(record["pid"], signal.SIGKILL)
             survivors.append(record["pid"])
     assert not survivors, f"worker(s) {survivors} outlived their agent"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(params=["tcp", "file"])
+def rdzv(request: Any, tmp_path: Any) -> Any:
+    """Rendezvous flags for one run of a given backend, and the workers' output directory.
+
+    With tcp, the first node started hosts the store server; tests kill or stop only others.
+    """
+
+    class Run:
+        backend = request.param
+        out = tmp_path / "out"
+        stop_file = str(tmp_path / "stop")
+        endpoint = f"127.0.0.1:{free_port()}" if backend == "tcp" else str(tmp_path / "rdzv")
+
+        def args(self, nnodes: str, nproc: int = 2, *extra: str) -> list[str]:
+            settings = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
+            return [
+                "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+                "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint,
+                "--rdzv-id", "job", "--rdzv-conf", settings,
+                "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"),
+                "--stop-timeout", "5", *extra,
+            ]
+
+        def start(self, agents: Any, count: int, args: list[str]) -> list[Any]:
+            """Start ``count`` agents; the first is up (hosting a tcp store) before the others."""
+            first = agents.start(args)
+            wait_for(lambda: "waiting for nodes" in first.output(), JOIN, "the first agent")
+            return [first] + [agents.start(args) for _ in range(count - 1)]
+
+        def worker(self, *extra: str) -> list[str]:
+            return [WORKER, str(self.out), *extra]
+
+        def running(self, world_size: int) -> list[dict[str, Any]]:
+            """The records of a complete group of ``world_size`` workers (waits for them)."""
+
+            def complete() -> list[dict[str, Any]] | None:
+                latest: dict[str, dict[str, Any]] = {}
+                for record in worker_records(str(self.out)):
+                    if record["WORLD_SIZE"] == str(world_size):
+                        latest[record["RANK"]] = record
+                return list(latest.values()) if len(latest) == world_size else None
+
+            return wait_for(complete, JOIN, f"{world_size} workers of a group of {world_size}")
+
+    run = Run()
+    run.out.mkdir()
+    return run

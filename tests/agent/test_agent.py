@@ -4,70 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from typing import Any
 
-import pytest
-
-from conftest import WORKER, wait_for, worker_records
-
-JOIN = 60.0
-"""Seconds for a round to form and its workers to start on a loaded machine."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(params=["tcp", "file"])
-def rdzv(request: Any, tmp_path: Any) -> Any:
-    """Rendezvous flags for one run of a given backend, and the workers' output directory.
-
-    With tcp, the first node started hosts the store server; tests kill or stop only others.
-    """
-
-    class Run:
-        backend = request.param
-        out = tmp_path / "out"
-        stop_file = str(tmp_path / "stop")
-        endpoint = f"127.0.0.1:{free_port()}" if backend == "tcp" else str(tmp_path / "rdzv")
-
-        def args(self, nnodes: str, nproc: int = 2, *extra: str) -> list[str]:
-            settings = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
-            return [
-                "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-                "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint,
-                "--rdzv-id", "job", "--rdzv-conf", settings,
-                "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"),
-                "--stop-timeout", "5", *extra,
-            ]
-
-        def start(self, agents: Any, count: int, args: list[str]) -> list[Any]:
-            """Start ``count`` agents; the first is up (hosting a tcp store) before the others."""
-            first = agents.start(args)
-            wait_for(lambda: "waiting for nodes" in first.output(), JOIN, "the first agent")
-            return [first] + [agents.start(args) for _ in range(count - 1)]
-
-        def worker(self, *extra: str) -> list[str]:
-            return [WORKER, str(self.out), *extra]
-
-        def running(self, world_size: int) -> list[dict[str, Any]]:
-            """The records of a complete group of ``world_size`` workers (waits for them)."""
-
-            def complete() -> list[dict[str, Any]] | None:
-                latest: dict[str, dict[str, Any]] = {}
-                for record in worker_records(str(self.out)):
-                    if record["WORLD_SIZE"] == str(world_size):
-                        latest[record["RANK"]] = record
-                return list(latest.values()) if len(latest) == world_size else None
-
-            return wait_for(complete, JOIN, f"{world_size} workers of a group of {world_size}")
-
-    run = Run()
-    run.out.mkdir()
-    return run
+from conftest import wait_for, worker_records
 
 
 def test_two_agents_give_their_workers_torch_env(agents: Any, rdzv: Any) -> None:

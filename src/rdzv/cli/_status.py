@@ -42,8 +42,9 @@ def _parameters(args: argparse.Namespace) -> Any:
     from ..rendezvous import RendezvousParameters, parse_rendezvous_url
 
     if args.url:
-        if args.rdzv_id or args.rdzv_endpoint:
-            raise ValueError("give the run either as a URL or with --rdzv-* flags, not both")
+        if args.rdzv_id or args.rdzv_endpoint or args.rdzv_conf:
+            raise ValueError("give the run either as a URL (options in its query, e.g. "
+                             "?read_timeout=5) or with --rdzv-* flags, not both")
         url = args.url
         if not any(f"{name}=" in url for name in ("nnodes", "min_nodes", "world_size")):
             url += ("&" if "?" in url else "?") + "nnodes=1"  # node counts do not matter here

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import RendezvousStateError
 from ..store import Store
 from ._api import RendezvousParameters
-from ._layout import RunKeys, decode_int, decode_status
+from ._layout import RunKeys, decode_int, decode_rank, decode_status
 
 AGENT_NODES = "agent/node/"
 """Where each agent describes itself in its round's store (one key per group rank)."""
@@ -107,7 +107,7 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
             continue  # not an agent's entry: show the member without details
     members = []
     for key, raw in store.list_keys(rank_dir).items():
-        rank = decode_int(key, raw, -1)
+        rank, _ = decode_rank(key, raw)
         entry = agents.get(rank, {})
         stamp = entry.get("time")
         members.append(MemberStatus(
