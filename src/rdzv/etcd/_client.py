@@ -12,6 +12,7 @@ import base64
 import http.client
 import json
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -88,6 +89,7 @@ class EtcdClient:
         self._idle: dict[str, list[http.client.HTTPConnection]] = {}
         self._token: str | None = None
         self._closed = False
+        self._pid = os.getpid()
 
     # -- endpoints and connections ------------------------------------------------------------
     @property
@@ -126,6 +128,9 @@ class EtcdClient:
 
     def _take(self, endpoint: str) -> http.client.HTTPConnection:
         with self._lock:
+            if self._pid != os.getpid():  # forked: the pooled sockets belong to the parent
+                self._pid = os.getpid()
+                self._idle.clear()
             idle = self._idle.get(endpoint)
             if idle:
                 return idle.pop()

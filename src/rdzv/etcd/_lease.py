@@ -59,13 +59,17 @@ class EtcdLease:
                 logger.debug("granted etcd lease %s (ttl %d s)", self._id, self.ttl)
             return self._id
 
-    def lost(self, lease_id: str, reason: str) -> None:
-        """Record that ``lease_id`` no longer exists (etcd said so)."""
+    def lost(self, lease_id: str, reason: str, *, reported: bool = False) -> None:
+        """Record that ``lease_id`` no longer exists (etcd said so).
+
+        Unless the caller already ``reported`` it (raised SessionExpiredError), the next
+        :meth:`id` raises it.
+        """
         with self._lock:
             if self._id == lease_id:
                 logger.warning("etcd lease %s lost: %s", lease_id, reason)
                 self._id = None
-                self._lost = reason
+                self._lost = None if reported else reason
 
     def _keep_alive(self, lease_id: str) -> None:
         while not self._stop.wait(self.ttl / 3):

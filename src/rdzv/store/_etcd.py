@@ -254,7 +254,7 @@ class EtcdStore(Store):
             return self.client.call(path, body, **kwargs)
         except SessionExpiredError as exc:
             if lease is not None:
-                self.session.lost(lease, str(exc))
+                self.session.lost(lease, str(exc), reported=True)
             raise
 
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
