@@ -1,0 +1,31 @@
+"""rdzv with PyTorch: a ``torch.distributed.Store`` adapter, torchrun's backends, process-group setup.
+
+Only this package imports torch (``pip install rdzv[torch]``); the rest of rdzv works without it.
+
+* :class:`TorchStore` -- any rdzv store as a real ``torch.distributed.Store``.
+* :func:`init_process_group` -- one call in a worker started by ``rdzv run`` or torchrun.
+* :class:`TorchRendezvousHandler` -- rdzv's backends for torch's agent; torchrun finds them
+  through the ``torchrun.handlers`` entry points as ``rdzv-tcp``, ``rdzv-file``, ``rdzv-etcd``.
+
+See ``docs/torch.md``.
+"""
+
+from ._plugin import torchrun_handler_creator  # first: torch may load it while we import torch
+from ._handler import (
+    TORCHRUN_BACKENDS,
+    TorchRendezvousHandler,
+    create_torch_handler,
+    register_torch_backends,
+)
+from ._init import init_process_group
+from ._store import TorchStore
+
+__all__ = [
+    "TORCHRUN_BACKENDS",
+    "TorchRendezvousHandler",
+    "TorchStore",
+    "create_torch_handler",
+    "init_process_group",
+    "register_torch_backends",
+    "torchrun_handler_creator",
+]
