@@ -18,8 +18,10 @@ UNARY = [
     ({"code": 4, "message": "etcdserver: request timed out"}, _Transient),
     ({"code": 8, "message": "etcdserver: too many requests"}, _Transient),
     ({"code": 16, "message": "etcdserver: invalid auth token"}, _InvalidToken),
-    ({"code": 3, "message": "etcdserver: authentication failed, invalid user ID or password"},
-     StoreAuthenticationError),  # fmt: skip
+    (
+        {"code": 3, "message": "etcdserver: authentication failed, invalid user ID or password"},
+        StoreAuthenticationError,
+    ),  # fmt: skip
     ({"code": 3, "message": "etcdserver: user name is empty"}, StoreAuthenticationError),
     ({"code": 7, "message": "etcdserver: permission denied"}, StoreAuthenticationError),
     ({"code": 5, "message": "etcdserver: requested lease not found"}, SessionExpiredError),

@@ -134,6 +134,20 @@ class _Member:
         except (OSError, ValueError):
             return False
 
+    def state(self) -> str | None:
+        """``T`` once every thread is stopped, else another ``/proc`` state; None if unknown."""
+        if self.process is None:
+            return None
+        tasks = f"/proc/{self.process.pid}/task"
+        try:
+            states = set()
+            for task in os.listdir(tasks):
+                with open(f"{tasks}/{task}/stat", "rb") as f:
+                    states.add(f.read().rsplit(b")", 1)[1].split()[0].decode())
+        except (OSError, IndexError):
+            return None
+        return "T" if states <= {"T", "t"} else min(states - {"T", "t"})
+
     def log_tail(self, lines: int = 15) -> str:
         try:
             with open(self.log_path, "rb") as f:
@@ -299,8 +313,16 @@ class LocalEtcdCluster:
         self._member(index).kill()
 
     def pause(self, index: int) -> None:
-        """SIGSTOP member ``index``: it stays connected but answers nothing (a hung host)."""
-        self._member(index).signal(signal.SIGSTOP)
+        """SIGSTOP member ``index``: it stays connected but answers nothing (a hung host).
+
+        Returns once the process is stopped (where ``/proc`` shows it)."""
+        member = self._member(index)
+        member.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        while member.alive() and member.state() not in ("T", None):
+            if time.monotonic() > deadline:
+                raise LocalEtcdError(f"etcd {member.name} did not stop after SIGSTOP")
+            time.sleep(0.01)
 
     def resume(self, index: int) -> None:
         """SIGCONT member ``index`` after :meth:`pause`."""
