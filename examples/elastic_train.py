@@ -35,11 +35,12 @@ SAMPLES = 4096
 
 
 def make_dataset(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed regression task (the same on every worker): y = sin(X w) + noise."""
+    """A fixed regression task (the same on every worker): y = Xw + sin(2Xw) / 2 + noise."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
-    weights = torch.randn(FEATURES, 1, generator=generator) / FEATURES**0.5
-    targets = torch.sin(3 * inputs @ weights) + 0.05 * torch.randn(SAMPLES, 1, generator=generator)
+    projection = inputs @ (torch.randn(FEATURES, 1, generator=generator) / FEATURES**0.5)
+    noise = 0.05 * torch.randn(SAMPLES, 1, generator=generator)
+    targets = projection + 0.5 * torch.sin(2 * projection) + noise
     return inputs, targets
 
 

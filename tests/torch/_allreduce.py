@@ -1,9 +1,10 @@
 """Worker for the torch tests: joins the gloo group, all-reduces rank + 1, writes what it saw as JSON.
 
-    python _allreduce.py OUT_DIR [--through-store]
+    python _allreduce.py OUT_DIR [--store HOST:PORT]
 
-With ``--through-store`` the group bootstraps through ``rdzv.torch.init_process_group(store=...)``
-on the FileStore at env RDZV_TEST_STORE_DIR instead of MASTER_ADDR/MASTER_PORT.
+With ``--store`` the group bootstraps through ``rdzv.torch.init_process_group(store=...)`` on a
+view (``PrefixStore``, as a round hands out) of rdzv's TCPStore server at HOST:PORT instead of
+torch's TCPStore at MASTER_ADDR/MASTER_PORT.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import rdzv.torch
 def main() -> None:
     out_dir = sys.argv[1]
     store = None
-    if "--through-store" in sys.argv:
-        from rdzv.store import FileStore
+    if "--store" in sys.argv:
+        from rdzv.store import PrefixStore, TCPStore
 
-        store = FileStore(os.path.join(os.environ["RDZV_TEST_STORE_DIR"], "store"), timeout=120)
+        host, port = sys.argv[sys.argv.index("--store") + 1].rsplit(":", 1)
+        store = PrefixStore("round-0", TCPStore(host, int(port), timeout=120))
     rank, world_size = rdzv.torch.init_process_group("gloo", store=store, timeout=120)
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
@@ -41,7 +43,7 @@ def main() -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(record, handle)
     if store is not None:
-        store.close()
+        store.underlying_store.close()
 
 
 if __name__ == "__main__":

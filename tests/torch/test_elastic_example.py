@@ -1,0 +1,80 @@
+"""examples/elastic_train.py under ``rdzv run``: 2 nodes, a third joins, one is killed; training goes on.
+
+Each node is a real agent (``python -m rdzv.run``) with 2 workers on loopback; rank 0 of the
+example appends its progress (step, world size, loss) to a JSON-lines file the test reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from conftest import PYTHON, REPO, free_port, wait_for
+
+EXAMPLE = str(REPO / "examples" / "elastic_train.py")
+STEPS = 400
+PHASE_TIMEOUT = 180.0
+"""Seconds for one membership change (stop, re-form, restart 6 torch workers) on 2 loaded cores."""
+
+
+def progress(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(900)
+def test_training_goes_on_through_a_join_and_a_kill(procs: Callable[..., Any], tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    agent_args = [
+        PYTHON, "-m", "rdzv.run", "--nnodes", "2:3", "--nproc-per-node", "2",
+        "--rdzv-backend", "tcp", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "job",
+        "--rdzv-conf", "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3",
+        "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5",
+        "--max-restarts", "5",
+        EXAMPLE, "--steps", str(STEPS), "--checkpoint", str(tmp_path / "model.ckpt"),
+        "--progress", str(log), "--log-every", "5", "--save-every", "10", "--step-sleep", "0.05",
+    ]
+    first = procs(agent_args)
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    second = procs(agent_args)
+
+    def reached(world_size: int, steps: int, after: int = 0) -> bool:
+        seen = [e for e in progress(log)[after:] if e["world_size"] == world_size]
+        return len(seen) * 5 >= steps
+
+    wait_for(lambda: reached(4, 20), PHASE_TIMEOUT, "20 steps at world size 4")
+    third = procs(agent_args)
+    wait_for(lambda: reached(6, 10), PHASE_TIMEOUT, "10 steps at world size 6 after a join")
+    before_kill = len(progress(log))
+    os.killpg(third.pid, signal.SIGKILL)
+    third.wait(30)
+    wait_for(lambda: reached(4, 10, before_kill), PHASE_TIMEOUT, "10 steps at world size 4 after a kill")
+
+    codes = [first.wait(PHASE_TIMEOUT), second.wait(PHASE_TIMEOUT)]
+    assert codes == [0, 0], first.output()[-5000:] + second.output()[-5000:]
+    entries = progress(log)
+    phases = [e["world_size"] for i, e in enumerate(entries) if i == 0 or entries[i - 1]["world_size"] != e["world_size"]]
+    assert phases == [4, 6, 4], phases
+    assert entries[-1]["step"] == STEPS
+    for earlier, later in zip(entries, entries[1:]):  # resumed from a checkpoint, not from scratch
+        assert later["step"] > earlier["step"] - 10, (earlier, later)
+    first_loss = entries[0]["loss"]
+    starts = [e for i, e in enumerate(entries) if i and entries[i - 1]["world_size"] != e["world_size"]]
+    assert all(start["loss"] < first_loss for start in starts), (first_loss, starts)
+    assert entries[-1]["loss"] < first_loss / 4, (first_loss, entries[-1])
+    means, current = [], []
+    for i, entry in enumerate(entries):  # the mean loss of each membership phase goes down
+        if i and entries[i - 1]["world_size"] != entry["world_size"]:
+            means.append(sum(current) / len(current))
+            current = []
+        current.append(entry["loss"])
+    means.append(sum(current) / len(current))
+    assert means == sorted(means, reverse=True), means
+    text = first.output()
+    assert "starting at step 0 with world size 4" in text
+    assert "with world size 6" in text and f"done: {STEPS} steps" in text
