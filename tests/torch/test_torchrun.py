@@ -103,3 +103,26 @@ def test_timeouts_map_to_torch_errors(tmp_path: Path) -> None:
             handler.next_rendezvous()
     finally:
         handler.shutdown()
+
+
+def test_example_trains_under_torchrun_and_resumes_from_its_checkpoint(
+    procs: Callable[..., Any], tmp_path: Path
+) -> None:
+    example = str(HERE.parent.parent / "examples" / "elastic_train.py")
+    checkpoint = str(tmp_path / "model.ckpt")
+
+    def run(steps: int) -> str:
+        agent = procs([
+            PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--rdzv-backend", "rdzv-tcp", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--rdzv-id", "train", "--local-addr", "127.0.0.1", "--max-restarts", "0",
+            example, "--steps", str(steps), "--checkpoint", checkpoint, "--log-every", "10",
+        ])
+        assert agent.wait(RUN_TIMEOUT) == 0, agent.output()[-4000:]
+        return agent.output()
+
+    first = run(20)
+    assert "starting at step 0 with world size 2" in first and "done: 20 steps" in first
+    second = run(40)
+    assert "starting at step 20 with world size 2" in second and "done: 40 steps" in second
+    assert "step 30 world_size 2 loss" in second
