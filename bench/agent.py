@@ -177,6 +177,13 @@ def join_to_running(kind: str, nproc: int, worker: str) -> float:
         trial.close()
 
 
+def summarize(message: str) -> str:
+    """The first line of a trial's error and the last error line of its agents' output."""
+    lines = message.splitlines()
+    errors = [line.strip() for line in lines if "Error" in line and ":" in line]
+    return lines[0] + (f" (agents: {errors[-1]})" if errors[1:] else "")
+
+
 def torch_available() -> bool:
     try:
         import torch.distributed.run  # noqa: F401
@@ -206,15 +213,26 @@ def main() -> None:
         print(f"{args.nproc} workers per node, median of {args.reps}; seconds")
         header = f"{'scenario':32} " + " ".join(f"{k:>10}" for k in kinds)
         print(header + ("   torchrun/rdzv" if len(kinds) == 2 else ""))
+        failures = []
         for name, measure in scenarios:
-            medians = {}
+            medians: dict[str, float | None] = {}
             for kind in kinds:
-                samples = [measure(kind, args.nproc, worker) for _ in range(args.reps)]
-                medians[kind] = statistics.median(samples)
-            row = f"{name:32} " + " ".join(f"{medians[k]:>10.3f}" for k in kinds)
+                try:
+                    samples = [measure(kind, args.nproc, worker) for _ in range(args.reps)]
+                    medians[kind] = statistics.median(samples)
+                except RuntimeError as exc:  # a launcher that never got there: say why
+                    medians[kind] = None
+                    failures.append(f"{kind}, {name}: {summarize(str(exc))}")
+            row = f"{name:32} " + " ".join(
+                f"{medians[k]:>10.3f}" if medians[k] is not None else f"{'failed':>10}"
+                for k in kinds)
             if len(kinds) == 2:
-                row += f"   {medians['torchrun'] / medians['rdzv']:>13.1f}x"
+                rdzv_s, torch_s = medians["rdzv"], medians["torchrun"]
+                row += (f"   {torch_s / rdzv_s:>13.1f}x" if rdzv_s and torch_s
+                        else f"   {'n/a':>14}")
             print(row, flush=True)
+        for failure in failures:
+            print(f"failed: {failure}")
     finally:
         os.unlink(worker)
 

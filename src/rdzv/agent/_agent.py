@@ -212,6 +212,10 @@ class ElasticAgent:
             except StoreTimeoutError as exc:
                 self.say(f"a node of the new round did not answer ({exc}); re-forming")
                 continue
+            except RendezvousError as exc:
+                self.say(f"cannot share the worker counts of the new round: "
+                         f"{type(exc).__name__}: {exc}")
+                return 1
             last = assignment.rank_offset + config.nproc_per_node - 1
             self.say(f"round complete: {assignment.group_world_size} node(s), world size "
                      f"{assignment.world_size}; this node is group rank {assignment.group_rank} "
