@@ -1,0 +1,220 @@
+"""The rendezvous contract on the etcd backend, node processes on a real etcd (each version found).
+
+Also what only the etcd backend has: torch's legacy URL form, the key prefix, https with client
+certificates, user/password from the environment, a clear error naming an unreachable endpoint,
+and a 3-member etcd cluster losing its leader in the middle of a rendezvous of several processes.
+Without an etcd binary these tests skip locally and fail under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from _clusters import ProcessCluster
+from _nodes import ProcessNode
+from contract import AT_ONCE, RendezvousContract, check_round, eventually, form
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "etcd"))
+from etcd_testing import etcd_params, require_etcd  # noqa: E402
+from test_security import PASSWORD, auth_etcd, pki, tls_etcd  # noqa: E402,F401 (fixtures)
+
+from rdzv.errors import RendezvousConnectionError, RendezvousParameterError  # noqa: E402
+from rdzv.etcd import EtcdTLSFiles, LocalEtcd, LocalEtcdCluster  # noqa: E402
+from rdzv.etcd._local import free_ports  # noqa: E402
+from rdzv.rendezvous import get_rendezvous_handler, parse_rendezvous_url  # noqa: E402
+from rdzv.rendezvous._etcd import key_prefix  # noqa: E402
+from rdzv.store import EtcdStore  # noqa: E402
+
+HUNG = {"heartbeat_interval": 0.5, "heartbeat_misses": 4}
+"""A 2 s lease (etcd's minimum): a SIGSTOPped node's keys vanish about 2 s after it stops."""
+SHORT_LEASE = {"heartbeat_interval": 1.0, "heartbeat_misses": 3}
+"""The contract's nodes: a killed node's keys vanish 3 s after its last keep-alive."""
+
+
+@pytest.fixture(scope="module", params=etcd_params())
+def etcd_binary(request: pytest.FixtureRequest) -> str:
+    return require_etcd(request.param)
+
+
+@pytest.fixture(scope="module")
+def etcd_server(etcd_binary: str) -> Iterator[LocalEtcd]:
+    with LocalEtcd(binary=etcd_binary) as server:
+        yield server
+
+
+def fresh_prefix() -> str:
+    return f"/rdzv-test-{uuid.uuid4().hex[:10]}"
+
+
+class EtcdCluster(ProcessCluster):
+    """Process nodes on a fresh ``etcd_prefix`` of one etcd (a fresh store for each test)."""
+
+    def __init__(self, endpoint: str, **defaults: Any) -> None:
+        prefix = fresh_prefix()
+        super().__init__(
+            "etcd", endpoint,
+            raw_store=lambda: EtcdStore(endpoint, prefix=key_prefix(prefix), timeout=30),
+            hung_options=HUNG, etcd_prefix=prefix, read_timeout=30.0,
+            **{**SHORT_LEASE, **defaults},
+        )
+
+
+class TestEtcdBackend(RendezvousContract):
+    @pytest.fixture
+    def cluster(self, etcd_server: LocalEtcd) -> Iterator[EtcdCluster]:
+        cluster = EtcdCluster(etcd_server.endpoint)
+        yield cluster
+        cluster.close()
+
+    def test_round_completes_without_a_node_that_died_in_the_last_call(self, cluster):
+        """etcd has no connection-bound session: a killed node is dropped when its lease
+        expires, so the last call here outlasts the 3 s lease (the contract's 2 s would not)."""
+        nodes = [cluster.node(2, 4, last_call_timeout=10.0) for _ in range(3)]
+        pending = [n.request("next") for n in nodes]
+        eventually(lambda: nodes[0].call("waiting") == 3, AT_ONCE, "three joined")
+        nodes[2].kill()
+        eventually(lambda: nodes[0].call("waiting") == 2, AT_ONCE, "the dead node is dropped")
+        check_round([p.result(AT_ONCE) for p in pending[:2]], 2)
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[ProcessNode]]:
+    started: list[ProcessNode] = []
+    yield started
+    for node in started:
+        node.close()
+
+
+def start_nodes(nodes: list[ProcessNode], count: int, spec: dict[str, Any]) -> list[ProcessNode]:
+    new = [ProcessNode(spec) for _ in range(count)]
+    nodes.extend(new)
+    for node in new:
+        node.wait_ready()
+    return new
+
+
+def test_torch_legacy_url_with_workers_and_prefix(
+    etcd_server: LocalEtcd, nodes: list[ProcessNode]
+) -> None:
+    prefix = fresh_prefix()
+    url = (f"etcd://{etcd_server.endpoint}/legacy?min_workers=2&max_workers=3&timeout=600"
+           f"&last_call_timeout=0.5&etcd_prefix={prefix}")
+    params = parse_rendezvous_url(url)
+    assert (params.min_nodes, params.max_nodes) == (2, 3)
+    spec = {"backend": "etcd", "endpoint": params.endpoint, "run_id": params.run_id,
+            "min_nodes": 2, "max_nodes": 3, "local_addr": "127.0.0.1", **params.config}
+    check_round(form(start_nodes(nodes, 2, spec)), 2)
+    with EtcdStore(etcd_server.endpoint, prefix=prefix + "/") as store:
+        assert store.list_keys("rdzv/legacy/sealed"), "the run lives under etcd_prefix"
+    with EtcdStore(etcd_server.endpoint, prefix="/rdzv/") as default:
+        assert not default.list_keys("rdzv/legacy/"), "nothing under the default prefix"
+
+
+def test_unreachable_endpoint_is_a_connection_error_naming_it() -> None:
+    (port,) = free_ports(1)
+    url = f"etcd://127.0.0.1:{port}/job?nnodes=2&read_timeout=1"
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+        get_rendezvous_handler(url)
+    assert time.monotonic() - started < AT_ONCE
+
+
+def test_bad_settings_are_parameter_errors() -> None:
+    with pytest.raises(RendezvousParameterError, match="ca_cert"):
+        get_rendezvous_handler("etcd://127.0.0.1:2379/job?nnodes=2&protocol=https"
+                               "&ca_cert=/no/such/ca.pem")
+    with pytest.raises(RendezvousParameterError, match="protocol"):
+        get_rendezvous_handler("etcd://127.0.0.1:2379/job?nnodes=2&protocol=gopher")
+
+
+def test_https_with_client_certificates(
+    tls_etcd: LocalEtcd, pki: dict[str, str], nodes: list[ProcessNode]  # noqa: F811
+) -> None:
+    spec = {"backend": "etcd", "endpoint": tls_etcd.endpoint, "run_id": "tls", "min_nodes": 2,
+            "max_nodes": 2, "local_addr": "127.0.0.1", "protocol": "https",
+            "cacert": pki["ca.pem"], "cert": pki["client.pem"], "key": pki["client.key"],
+            "etcd_prefix": fresh_prefix()}
+    check_round(form(start_nodes(nodes, 2, spec)), 2)
+
+
+def test_user_and_password_from_the_environment(
+    auth_etcd: LocalEtcd, nodes: list[ProcessNode], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    spec = {"backend": "etcd", "endpoint": auth_etcd.endpoint, "run_id": "auth", "min_nodes": 2,
+            "max_nodes": 2, "local_addr": "127.0.0.1", "etcd_prefix": "job/runs"}
+    monkeypatch.setenv("RDZV_ETCD_USER", "job")
+    monkeypatch.setenv("RDZV_ETCD_PASSWORD", PASSWORD)
+    check_round(form(start_nodes(nodes, 2, spec)), 2)
+    monkeypatch.delenv("RDZV_ETCD_PASSWORD")
+    with pytest.raises(RendezvousParameterError, match="RDZV_ETCD_PASSWORD"):
+        get_rendezvous_handler(f"etcd://{auth_etcd.endpoint}/auth?nnodes=2")
+
+
+# -- a 3-member etcd cluster loses members during rendezvous ----------------------------------
+
+@pytest.fixture
+def etcd_cluster(etcd_binary: str) -> Iterator[LocalEtcdCluster]:
+    with LocalEtcdCluster(3, binary=etcd_binary) as cluster:
+        yield cluster
+
+
+def leader_first(cluster: LocalEtcdCluster) -> tuple[int, str]:
+    """The leader's index and every endpoint, the leader's first (nodes start on it)."""
+    leader = cluster.leader()
+    endpoints = cluster.endpoints
+    ordered = [endpoints[leader]] + [e for i, e in enumerate(endpoints) if i != leader]
+    return leader, ",".join(ordered)
+
+
+def test_leader_killed_mid_rendezvous_and_restarted(
+    etcd_cluster: LocalEtcdCluster, nodes: list[ProcessNode]
+) -> None:
+    leader, endpoint = leader_first(etcd_cluster)
+    spec = {"backend": "etcd", "endpoint": endpoint, "run_id": "failover", "min_nodes": 5,
+            "max_nodes": 5, "local_addr": "127.0.0.1", "join_timeout": 120.0,
+            "read_timeout": 60.0, "etcd_prefix": fresh_prefix()}
+    members = start_nodes(nodes, 5, spec)
+    pending = [node.request("next") for node in members[:3]]
+    eventually(lambda: members[0].call("waiting") == 3, AT_ONCE, "three nodes joined")
+    etcd_cluster.kill(leader)  # SIGKILL in the middle of the round
+    pending += [node.request("next") for node in members[3:]]
+    first = [p.result(120.0) for p in pending]
+    check_round(first, 5)
+
+    members[0].call("store_set", "written-after-failover", "kept")
+    etcd_cluster.restart(leader)  # rejoins the cluster with its data dir and catches up
+    new_leader = etcd_cluster.leader()
+    assert all(etcd_cluster.healthy(i) for i in range(3))
+    etcd_cluster.stop(new_leader)  # the restarted member must now carry its share
+    assert all(m.call("store_get", "written-after-failover") == "kept" for m in members)
+    second = form(members, timeout=120.0)
+    check_round(second, 5)
+    assert [r["rank"] for r in second] == [r["rank"] for r in first], "members keep their ranks"
+    etcd_cluster.restart(new_leader)
+    with EtcdStore(etcd_cluster.endpoints[leader], prefix=key_prefix(spec["etcd_prefix"])) as s:
+        assert s.get("rdzv/failover/sealed") == b"1", "the restarted member has every round"
+
+
+def test_member_paused_mid_rendezvous(
+    etcd_cluster: LocalEtcdCluster, nodes: list[ProcessNode]
+) -> None:
+    leader, endpoint = leader_first(etcd_cluster)
+    spec = {"backend": "etcd", "endpoint": endpoint, "run_id": "paused", "min_nodes": 4,
+            "max_nodes": 4, "local_addr": "127.0.0.1", "join_timeout": 120.0,
+            "read_timeout": 60.0, "etcd_prefix": fresh_prefix()}
+    members = start_nodes(nodes, 4, spec)
+    pending = [node.request("next") for node in members[:2]]
+    eventually(lambda: members[0].call("waiting") == 2, AT_ONCE, "two nodes joined")
+    etcd_cluster.pause(leader)  # SIGSTOP: connected but silent
+    try:
+        pending += [node.request("next") for node in members[2:]]
+        check_round([p.result(120.0) for p in pending], 4)
+    finally:
+        etcd_cluster.resume(leader)
+    check_round(form(members, timeout=120.0), 4)  # and again with every member back
