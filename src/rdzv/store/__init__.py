@@ -10,6 +10,7 @@ from ._etcd import EtcdStore
 from ._file import FileStore
 from ._hash import HashStore
 from ._prefix import PrefixStore
+from ._tcp import TCPStore
 
 __all__ = [
     "DEFAULT_SESSION_TTL",
@@ -20,4 +21,5 @@ __all__ = [
     "PrefixStore",
     "Store",
     "StoreCapabilities",
+    "TCPStore",
 ]

@@ -1,0 +1,244 @@
+"""Store speed: rdzv's TCPStore and store server against torch's TCPStore, side by side.
+
+Run: ``.venv/bin/python bench/store.py [--ops 20000] [--rounds 3] [--waiters 1000] [--procs 4]
+[--no-torch]``
+
+Both servers run in a process of their own (rdzv: ``python -m rdzv.server``; torch: a process
+holding a master ``torch.distributed.TCPStore``, its C++ server), all on 127.0.0.1.
+
+* throughput: one client in this process alternates ``set(key, 32 bytes)`` and ``get(key)``;
+  operations per second. The implementations take turns for ``--rounds`` rounds and the best
+  round of each is shown (this machine is shared: the best round is the least disturbed).
+* wake-up: ``--waiters`` clients (one connection and one thread each, spread over ``--procs``
+  processes) block in ``get("go")``; once all are counted in (plus a settling second) this
+  process calls ``set("go")``. The time from the set until the last client returned
+  (``time.time()`` is shared by the processes of one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+sys.path.insert(0, SRC)
+
+
+# -- clients ------------------------------------------------------------------------------------
+def rdzv_client(port: int, timeout: float = 120) -> Any:
+    from rdzv.store import TCPStore
+
+    return TCPStore("127.0.0.1", port, timeout=timeout)
+
+
+def torch_client(port: int, timeout: float = 120) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+
+
+CLIENTS: dict[str, Callable[..., Any]] = {"rdzv": rdzv_client, "torch": torch_client}
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+# -- servers ------------------------------------------------------------------------------------
+def start_rdzv_server() -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rdzv.server", "--host", "127.0.0.1", "--port", "0"],
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        found = re.search(r"listening on [^ ]+:(\d+)", line)
+        if found:
+            stderr = proc.stderr
+            threading.Thread(target=lambda: stderr.read(), daemon=True).start()
+            return proc, int(found.group(1))
+    raise RuntimeError("the rdzv store server did not start")
+
+
+TORCH_SERVER = """
+import sys, time, torch.distributed as dist
+from datetime import timedelta
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def start_torch_server() -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TORCH_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+SERVERS = {"rdzv": start_rdzv_server, "torch": start_torch_server}
+
+
+# -- measurements --------------------------------------------------------------------------------
+def throughput(impl: str, port: int, ops: int) -> float:
+    store = CLIENTS[impl](port)
+    value = b"x" * 32
+    for _ in range(1000):
+        store.set("warm", value)
+        store.get("warm")
+    pairs = ops // 2
+    started = time.perf_counter()
+    for _ in range(pairs):
+        store.set("key", value)
+        store.get("key")
+    elapsed = time.perf_counter() - started
+    if impl == "rdzv":
+        store.close()
+    return 2 * pairs / elapsed
+
+
+def waiter_process(impl: str, port: int, count: int) -> None:
+    """(In a child process) ``count`` clients block in get("go"); report the last wake-up."""
+    stores = [CLIENTS[impl](port) for _ in range(count)]
+    woken: list[float] = []
+    lock = threading.Lock()
+
+    def wait(store: Any) -> None:
+        store.add("ready", 1)
+        store.get("go")
+        now = time.time()
+        with lock:
+            woken.append(now)
+
+    threads = [threading.Thread(target=wait, args=(s,), daemon=True) for s in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(json.dumps({"woken": len(woken), "last": max(woken)}), flush=True)
+
+
+def wake_up(impl: str, port: int, waiters: int, procs: int) -> float:
+    """Seconds from one set until all ``waiters`` blocked clients returned."""
+    main = CLIENTS[impl](port)
+    share = [waiters // procs + (1 if i < waiters % procs else 0) for i in range(procs)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--_waiters", impl, str(port), str(n)],
+            stdout=subprocess.PIPE,
+            env=child_env(),
+            text=True,
+        )
+        for n in share
+        if n
+    ]
+    deadline = time.monotonic() + 300
+    while int(main.add("ready", 0)) < waiters:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{impl}: the waiters did not all start")
+        time.sleep(0.05)
+    time.sleep(1.0)  # let the last get() reach its server
+    started = time.time()
+    main.set("go", "now")
+    last = 0.0
+    woken = 0
+    for child in children:
+        assert child.stdout is not None
+        report = json.loads(child.stdout.readline())
+        woken += report["woken"]
+        last = max(last, report["last"])
+        child.wait()
+    if woken != waiters:
+        raise RuntimeError(f"{impl}: {woken} of {waiters} waiters woke up")
+    return last - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", type=int, default=20000, help="operations per throughput round")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per implementation")
+    parser.add_argument("--waiters", type=int, default=1000, help="clients blocked in get")
+    parser.add_argument("--procs", type=int, default=4, help="processes the waiters are spread over")
+    parser.add_argument("--no-torch", action="store_true", help="measure rdzv only")
+    parser.add_argument("--_waiters", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._waiters:
+        impl, port, count = args._waiters
+        waiter_process(impl, int(port), int(count))
+        return
+
+    impls = ["rdzv"]
+    if not args.no_torch:
+        try:
+            import torch  # noqa: F401
+
+            impls.append("torch")
+        except ImportError:
+            print("torch is not installed: measuring rdzv only", file=sys.stderr)
+
+    best: dict[str, float] = {}
+    wake: dict[str, float] = {}
+    for impl in impls:
+        proc, port = SERVERS[impl]()
+        try:
+            wake[impl] = wake_up(impl, port, args.waiters, args.procs)
+        finally:
+            proc.kill()
+            proc.wait()
+    servers = {impl: SERVERS[impl]() for impl in impls}
+    try:
+        for _ in range(args.rounds):
+            for impl in impls:
+                rate = throughput(impl, servers[impl][1], args.ops)
+                best[impl] = max(best.get(impl, 0.0), rate)
+    finally:
+        for proc, _ in servers.values():
+            proc.kill()
+            proc.wait()
+
+    rows = [
+        ("set+get round trips/s, 1 client", {i: f"{best[i]:,.0f}" for i in impls}),
+        (f"wake {args.waiters} blocked gets, ms", {i: f"{wake[i] * 1000:,.1f}" for i in impls}),
+    ]
+    header = f"{'':36s}" + "".join(f"{i:>12s}" for i in impls)
+    if "torch" in impls:
+        header += f"{'rdzv/torch':>14s}"
+    print(header)
+    for (label, cells), ratio in zip(
+        rows,
+        [
+            best["rdzv"] / best["torch"] if "torch" in impls else None,
+            wake["torch"] / wake["rdzv"] if "torch" in impls else None,
+        ],
+    ):
+        line = f"{label:36s}" + "".join(f"{cells[i]:>12s}" for i in impls)
+        if ratio is not None:
+            line += f"{ratio:>13.2f}x"
+        print(line)
+    if "torch" in impls:
+        print("(ratio > 1: rdzv faster; for the wake-up it is torch's time / rdzv's time)")
+    print(f"machine: {os.cpu_count()} cores; Python {sys.version.split()[0]}")
+
+
+if __name__ == "__main__":
+    main()
