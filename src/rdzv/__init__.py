@@ -1,10 +1,14 @@
 """rdzv: rendezvous for elastic distributed training.
 
-The public names are re-exported here; the sub-packages show the architecture:
+The public names are re-exported here (imported on first access, so `import rdzv` stays
+fast); the sub-packages show the architecture:
 ``rdzv.store`` (key-value stores), ``rdzv.server`` (the embedded store server),
 ``rdzv.rendezvous`` (handlers and backends), ``rdzv.cli`` (the ``rdzv`` command).
 """
 
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 from ._version import __version__
 from .errors import (
     RendezvousClosedError,
@@ -22,21 +26,42 @@ from .errors import (
     StoreTimeoutError,
     StoreValueError,
 )
-from .store import FileStore, HashStore, PrefixStore, Store, StoreCapabilities, TCPStore
-from .rendezvous import (
-    RendezvousHandler,
-    RendezvousHandlerRegistry,
-    RendezvousInfo,
-    RendezvousParameters,
-    RendezvousStoreInfo,
-    get_rendezvous_handler,
-    handler_registry,
-    parse_rendezvous_url,
-    rendezvous_url,
-)
+if TYPE_CHECKING:
+    from .rendezvous import (
+        RendezvousHandler,
+        RendezvousHandlerRegistry,
+        RendezvousInfo,
+        RendezvousParameters,
+        RendezvousStoreInfo,
+        get_rendezvous_handler,
+        handler_registry,
+        parse_rendezvous_url,
+        rendezvous_url,
+    )
+    from .server import StoreServer
+    from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, StoreCapabilities, TCPStore
+
+_EXPORTS = {
+    **{name: ".store" for name in (
+        "EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "StoreCapabilities", "TCPStore"
+    )},
+    **{name: ".rendezvous" for name in (
+        "RendezvousHandler",
+        "RendezvousHandlerRegistry",
+        "RendezvousInfo",
+        "RendezvousParameters",
+        "RendezvousStoreInfo",
+        "get_rendezvous_handler",
+        "handler_registry",
+        "parse_rendezvous_url",
+        "rendezvous_url",
+    )},
+    "StoreServer": ".server",
+}
 
 __all__ = [
     "__version__",
+    "EtcdStore",
     "FileStore",
     "HashStore",
     "PrefixStore",
@@ -54,6 +79,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "SessionExpiredError",
     "Store",
+    "StoreServer",
     "StoreAuthenticationError",
     "StoreCapabilities",
     "StoreConnectionError",
@@ -67,3 +93,5 @@ __all__ = [
     "parse_rendezvous_url",
     "rendezvous_url",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
