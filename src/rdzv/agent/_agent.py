@@ -38,8 +38,8 @@ from ._round import (
     MembershipWatcher,
     all_done,
     assign,
-    leave_round,
     mark_done,
+    wait_until_others_left,
 )
 from ._workers import WorkerExited, WorkerGroup, WorkerSpec
 
@@ -226,9 +226,9 @@ class ElasticAgent:
                 group.stop(timeout=config.stop_timeout)
                 self._close()
                 try:
-                    leave_round(info, LEAVE_TIMEOUT)
+                    wait_until_others_left(info, LEAVE_TIMEOUT)
                 except RendezvousError as exc:
-                    logger.warning("cannot tell the other nodes that this one leaves: %s", exc)
+                    logger.warning("cannot wait for the other nodes to leave: %s", exc)
                 self.say("every node has finished; this node's workers succeeded")
                 return 0
             if action is Action.LEAVE:

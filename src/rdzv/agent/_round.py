@@ -33,8 +33,7 @@ logger = logging.getLogger(__name__)
 ASSIGN_KEY = "agent/assign/"
 DONE_COUNT_KEY = "agent/done"
 ALL_DONE_KEY = "agent/all-done"
-LEFT_COUNT_KEY = "agent/left"
-ALL_LEFT_KEY = "agent/all-left"
+ALIVE_DIR = "agent/alive/"
 
 
 @dataclass(frozen=True)
@@ -101,6 +100,7 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     entry = {"nproc": nproc, "role": role, "host": host, "pid": os.getpid(), "time": time.time(),
              "join_s": round(join_seconds, 6)}
     store.set(f"{NODE_KEY}{rank}", json.dumps(entry))
+    store.set(f"{ALIVE_DIR}{rank}", b"1", ephemeral=True)  # gone when this node's session ends
     if rank == 0:
         keys = [f"{NODE_KEY}{g}" for g in range(size)]
         entries = [loads_entry(k, raw) for k, raw in zip(keys, store.multi_get(keys))]
@@ -148,17 +148,22 @@ def hosts_store(store: Store) -> bool:
     return getattr(store, "server", None) is not None
 
 
-def leave_round(info: RendezvousInfo, timeout: float) -> None:
-    """Say this node leaves the finished round; the node serving the store waits (at most
-    ``timeout`` s) for every other node to have said so, since they still read from it."""
+def wait_until_others_left(info: RendezvousInfo, timeout: float) -> None:
+    """On the node serving the store: wait (at most ``timeout`` s) until the sessions of the
+    round's other nodes have ended, since they still use the store until they leave."""
     store = info.store
-    if store.add(LEFT_COUNT_KEY, 1) >= info.world_size:
-        store.set(ALL_LEFT_KEY, b"1")
-    if hosts_store(store):
-        try:
-            store.wait([ALL_LEFT_KEY], timeout)
-        except RendezvousError as exc:
-            logger.warning("not every node left within %.3g s: %s", timeout, exc)
+    if not hosts_store(store):
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        since = store.revision(ALIVE_DIR)
+        if store.count_keys(ALIVE_DIR) <= 1:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            logger.warning("not every node left within %.3g s", timeout)
+            return
+        store.watch(ALIVE_DIR, since, remaining)
 
 
 class MembershipWatcher:
