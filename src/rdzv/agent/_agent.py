@@ -220,7 +220,12 @@ class ElasticAgent:
             self.say(f"round complete: {assignment.group_world_size} node(s), world size "
                      f"{assignment.world_size}; this node is group rank {assignment.group_rank} "
                      f"with global ranks {assignment.rank_offset}..{last}")
-            group = self._start_workers(assignment)
+            try:
+                group = self._start_workers(assignment)
+            except (OSError, RuntimeError) as exc:
+                self.say(f"cannot start the workers: {exc}")
+                self._give_up(info)
+                return 1
             action, signum = self._monitor(group, info)
             if action is Action.SUCCEED:
                 group.stop(timeout=config.stop_timeout)
@@ -269,7 +274,8 @@ class ElasticAgent:
             try:
                 event = self._events.get(timeout=PROGRESS_INTERVAL)
             except queue.Empty:
-                self.say(f"still waiting for nodes ({time.monotonic() - started:.0f} s)")
+                self.say(f"still waiting for nodes: {self._joined()}{config.min_nodes}.."
+                         f"{config.max_nodes} ({time.monotonic() - started:.0f} s)")
                 continue
             if isinstance(event, Signalled):
                 self.say(f"{signal.Signals(event.signum).name} received while waiting for nodes: "
@@ -381,6 +387,13 @@ class ElasticAgent:
             mark_done(info)
         except RendezvousError as exc:
             logger.warning("cannot mark this node as finished: %s", exc)
+
+    def _joined(self) -> str:
+        """'k of ' nodes joined to the forming round (what num_nodes_waiting counts), or ''."""
+        try:
+            return f"{self.handler.num_nodes_waiting()} of "
+        except RendezvousError:
+            return ""
 
     def _membership_news(self) -> str:
         try:
