@@ -2,9 +2,11 @@
 
 Modes (each prints what it did, one line at a time, flushed):
 
-* ``ephemeral PORT TTL KEY``: sets KEY ephemerally, prints ``ready``, then sleeps until killed.
-* ``writer PORT COUNT``: sets ``w/<i>`` for i in 0..COUNT-1, printing ``ack <i>`` after each
-  acknowledged set, then ``done``; carries on across a server restart.
+* ``ephemeral PORT TTL KEY``: sets KEY ephemerally (flushed), prints ``ready``, then sleeps until
+  killed.
+* ``writer PORT COUNT``: sets ``w/<i>`` for i in 0..COUNT-1 (pipelined), and after every 10th
+  prints ``ack <i>`` once ``flush()`` confirmed every set up to it; then ``done``; carries on
+  across a server restart.
 * ``waiters PORT N KEY``: opens N clients, each blocked in ``get(KEY)`` in its own thread after
   ``add("ready", 1)``; prints ``connected`` once all are open, then, when all are woken, a JSON
   line ``{"woken": N, "last": <time.time() of the last wake-up>}``.
@@ -28,6 +30,7 @@ def say(line: str) -> None:
 def ephemeral(port: int, ttl: float, key: str) -> None:
     store = TCPStore("127.0.0.1", port, timeout=30, session_ttl=ttl)
     store.set(key, "alive", ephemeral=True)
+    store.flush()
     say("ready")
     while True:
         time.sleep(3600)
@@ -37,7 +40,9 @@ def writer(port: int, count: int) -> None:
     store = TCPStore("127.0.0.1", port, timeout=60, session_ttl=5)
     for i in range(count):
         store.set(f"w/{i}", str(i))
-        say(f"ack {i}")
+        if i % 10 == 9 or i == count - 1:
+            store.flush()
+            say(f"ack {i}")
     say("done")
     store.close()
 

@@ -136,8 +136,9 @@ def test_sigkilled_durable_server_loses_no_acknowledged_write(tmp_path: object, 
     try:
         observer = TCPStore("127.0.0.1", port, timeout=30, session_ttl=5)
         observer.set("mine", "1", ephemeral=True)
+        observer.flush()
         writer = Child("writer", port, 3000)
-        acked = int(writer.expect("ack 200").split()[1])
+        acked = int(writer.expect("ack 199").split()[1])
         server.kill()  # SIGKILL, mid-stream
         server.wait()
         time.sleep(0.2)
@@ -181,6 +182,7 @@ def test_recovered_sessions_not_resumed_expire(tmp_path: object) -> None:
     try:
         gone = TCPStore("127.0.0.1", port, timeout=30, session_ttl=1.0)
         gone.set("orphan", "1", ephemeral=True)
+        gone.flush()
         server.kill()
         server.wait()
         gone._disconnect()  # this client never comes back

@@ -93,7 +93,7 @@ class _Session:
         self.ttl = ttl
         self.conn: _Conn | None = None
         self.last_rid = 0
-        self.last_resp = b""
+        self.last_resp: bytes | None = b""
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -336,12 +336,12 @@ class _Core:
     def _op_ping(self, conn: "_Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
         return P.ok(rid)
 
-    def _op_set(self, conn: "_Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+    def _op_set(self, conn: "_Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
         key, value, ephemeral = _dec_set(buf, pos, end)
         changed = self.state.set(key, value, conn.session.id if ephemeral else 0)  # type: ignore[union-attr]
         if self.waiters:
             self.wake(changed)
-        return _ok(rid)
+        return None if buf[pos] & P.FLAG_QUIET else _ok(rid)
 
     def _op_get(self, conn: "_Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
         key, blocking, wait_ms = _dec_get(buf, pos, end)
@@ -632,8 +632,8 @@ class _Conn(asyncio.BufferedProtocol):
         core = self.core
         mutating = core.mutating[op]
         sess = self.session
-        if mutating and rid == sess.last_rid:  # type: ignore[union-attr]
-            return sess.last_resp  # type: ignore[union-attr]
+        if mutating and rid <= sess.last_rid:  # type: ignore[union-attr]
+            return self._resent(op, rid)
         try:
             resp = core.handlers[op](self, rid, buf, pos + P.HEAD_SIZE, end)
         except P.ProtocolError as exc:
@@ -648,10 +648,25 @@ class _Conn(asyncio.BufferedProtocol):
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the server
             log.exception("error answering a %s request from %s", P.OP_NAMES.get(op, op), self.peer)
             return P.error(rid, P.E_INTERNAL, f"{type(exc).__name__}: {exc}")
-        if mutating and resp is not None:
+        if mutating:
             sess.last_rid = rid  # type: ignore[union-attr]
             sess.last_resp = resp  # type: ignore[union-attr]
         return resp
+
+    def _resent(self, op: int, rid: int) -> bytes | None:
+        """The answer to a write resent after a reconnect, which was applied already."""
+        sess = self.session
+        assert sess is not None
+        if rid == sess.last_rid:
+            return sess.last_resp  # None: a quiet SET that succeeded
+        if op in P.PIPELINED_OPS:
+            return _ok(rid)  # an earlier pipelined write: its answer was "done"
+        return P.error(
+            rid,
+            P.E_BAD_REQUEST,
+            f"{P.OP_NAMES[op]} request {rid} was applied already (the last write of session "
+            f"{sess.id} is request {sess.last_rid}); request ids must grow",
+        )
 
     def queue(self, frame: bytes) -> None:
         """Queue a response for the next commit (woken waiters, timeouts)."""

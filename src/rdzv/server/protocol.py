@@ -65,11 +65,16 @@ OP_NAMES = {
 }
 
 MUTATING_OPS = frozenset({OP_SET, OP_ADD, OP_COMPARE_SET, OP_DELETE, OP_MULTI_SET, OP_APPEND})
-"""Ops whose last response per session the server keeps, so that a request resent after a
-reconnect (same session, same request id) is answered again instead of applied twice."""
+"""Writes: the server keeps the highest request id applied per session (and its answer), so that
+a request resent after a reconnect (same session, id not above it) is not applied twice."""
+PIPELINED_OPS = frozenset({OP_SET, OP_MULTI_SET})
+"""Void writes a client may send without waiting for their answer (the answer is empty)."""
 
 FLAG_EPHEMERAL = 1
 """SET / COMPARE_SET flag: the key belongs to the sender's session."""
+FLAG_QUIET = 2
+"""SET flag: answer only if the write fails (no OK); a later answer on the connection implies it
+was applied, as requests of one connection are applied and answered in order."""
 FLAG_BLOCKING = 1
 """GET flag: wait up to ``wait_ms`` for the key (else answer at once, with a found byte)."""
 HELLO_FLAG_HAS_SECRET = 1
@@ -168,8 +173,11 @@ def encode_ping(rid: int) -> bytes:
     return REQ_HEAD.pack(HEAD_SIZE, OP_PING, rid)
 
 
-def encode_set(rid: int, key: bytes, value: bytes, ephemeral: bool = False) -> bytes:
-    return _SET.pack(10 + len(key) + len(value), OP_SET, rid, ephemeral, len(key)) + key + value
+def encode_set(
+    rid: int, key: bytes, value: bytes, ephemeral: bool = False, quiet: bool = False
+) -> bytes:
+    flags = (FLAG_EPHEMERAL if ephemeral else 0) | (FLAG_QUIET if quiet else 0)
+    return _SET.pack(10 + len(key) + len(value), OP_SET, rid, flags, len(key)) + key + value
 
 
 def encode_get(rid: int, key: bytes, blocking: bool, wait: int = 0) -> bytes:

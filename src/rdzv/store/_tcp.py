@@ -1,14 +1,20 @@
 """TCPStore: a client of the rdzv store server, with torch's ``TCPStore`` constructor.
 
 One TCP connection per store object (``TCP_NODELAY``, blocking socket, one lock: thread safe),
-one round trip per call. The connection carries a *session*: keys set with ``ephemeral=True``
+one round trip per call, except for the void writes ``set`` and ``multi_set``: like torch's
+``TCPStore.set`` they return once the request is sent (*pipelined*). Their acknowledgements are
+collected, in order, by the next call that waits for an answer (any read or returning write), by
+:meth:`TCPStore.flush`, or by ``close()``; a pipelined write that failed is raised by that next
+call, naming the write. At most ``MAX_UNACKED_WRITES`` (or ``MAX_UNACKED_BYTES``) stay
+unacknowledged; beyond that a write waits for the earlier acknowledgements. The connection carries a *session*: keys set with ``ephemeral=True``
 live as long as it. A keepalive thread pings an idle connection every ``session_ttl / 3``
 seconds, and blocking calls wait on the server in chunks of at most that long, so a live client
 never looks dead; a client that is killed, hung or cut off loses its ephemeral keys.
 
 A lost connection is re-established (with backoff, within the call's timeout) and the session
-resumed, so a client carries on across a restart of a durable server. A write resent after a
-reconnect is not applied twice (the server remembers each session's last answer).
+resumed, so a client carries on across a restart of a durable server. Every unacknowledged write
+is resent after a reconnect, in order; the server applies none twice (it remembers the last write
+request id of each session and answers a resent one without applying it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import struct
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Callable, Sequence
 
 from ..errors import (
@@ -52,6 +59,10 @@ INIT_KEY = "init/"
 """The counter that clients increment when created with a world size (as torch's do)."""
 HANDSHAKE_TIMEOUT = 10.0
 _MAX_BACKOFF = 1.0
+MAX_UNACKED_WRITES = 256
+"""Pipelined writes a client may have unacknowledged before a write waits for their answers."""
+MAX_UNACKED_BYTES = 4 << 20
+"""... and their total size in bytes (the client keeps them to resend after a reconnect)."""
 _RESP = P.RESP_HEAD
 _OK = P.STATUS_OK
 _TIMEOUT = P.STATUS_TIMEOUT
@@ -140,6 +151,10 @@ class TCPStore(Store):
         self._max_frame = P.DEFAULT_MAX_FRAME_SIZE
         self._closed = False
         self._pending_error: BaseException | None = None
+        self._unacked: deque[tuple[int, bytes, str, str | None]] = deque()
+        """Pipelined writes sent but not yet acknowledged: (request id, frame, op name, key)."""
+        self._unacked_bytes = 0
+        self._write_error: StoreError | None = None
         self._last_send = _monotonic()
         self._server = None
         self._finalizer: weakref.finalize | None = None
@@ -198,11 +213,9 @@ class TCPStore(Store):
         vb = value if value.__class__ is bytes else to_bytes(value)
         with self._lock:
             rid = self._rid = self._rid + 1
-            status, payload = self._request(P.encode_set(rid, kb, vb, ephemeral), rid)
+            self._send_write(P.encode_set(rid, kb, vb, ephemeral, True), rid, "set", key)
             if ephemeral:
                 self._had_ephemeral = True
-        if status:
-            raise self._error(status, payload, "set", key)
 
     def add(self, key: str, amount: int) -> int:
         kb = check_key(key).encode()
@@ -237,7 +250,9 @@ class TCPStore(Store):
             raise StoreValueError(f"multi_set got {len(kbs)} keys but {len(vbs)} values")
         if not kbs:
             return
-        self._simple(lambda rid: P.encode_multi_set(rid, kbs, vbs), "multi_set")
+        with self._lock:
+            rid = self._rid = self._rid + 1
+            self._send_write(P.encode_multi_set(rid, kbs, vbs), rid, "multi_set", keys[0])
 
     def append(self, key: str, value: Value) -> None:
         kb = check_key(key).encode()
@@ -301,6 +316,22 @@ class TCPStore(Store):
     def ping(self) -> None:
         """One round trip to the server (reconnecting if needed)."""
         self._simple(P.encode_ping, "ping")
+
+    def flush(self) -> None:
+        """Wait until the server has acknowledged every earlier write of this client.
+
+        ``set`` and ``multi_set`` return once their request is sent (as torch's ``set``); after
+        ``flush()`` they are applied (and, on a server with a data dir, durable) and visible to
+        every other client. Raises the error of a write that failed. Any call that returns an
+        answer from the server (a read, ``add``, ``compare_set``...) implies the same.
+        """
+        with self._lock:
+            if not self._unacked and self._write_error is None:
+                return
+            rid = self._rid = self._rid + 1
+            status, payload = self._request(P.encode_ping(rid), rid)
+        if status:
+            raise self._error(status, payload, "flush", None)
 
     # -- blocking calls: server-side waits in chunks of at most ttl/3 --------------------------
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
@@ -373,10 +404,14 @@ class TCPStore(Store):
     def close(self) -> None:
         """End this client's session (its ephemeral keys go at once) and close the connection.
 
-        A master store also stops its embedded server.
+        Pipelined writes not yet acknowledged are confirmed first (reconnecting for at most
+        10 s); if that fails it is logged, not raised (call :meth:`flush` to know). A master
+        store also stops its embedded server.
         """
         with self._lock:
             if not self._closed:
+                if self._unacked or self._write_error is not None:
+                    self._flush_before_close()
                 self._closed = True
                 sock = self._sock
                 if sock is not None:
@@ -392,6 +427,21 @@ class TCPStore(Store):
         _KEEPALIVE.unregister(self)
         if self._finalizer is not None:
             self._finalizer()
+
+    def _flush_before_close(self) -> None:
+        """Collect the answers of the pipelined writes (reconnecting for at most 10 s), logging
+        a failure: close() never raises; call flush() first to know. Lock held."""
+        rid = self._rid = self._rid + 1
+        try:
+            self._request(P.encode_ping(rid), rid, _monotonic() + min(self._timeout, 10.0))
+        except StoreError as exc:
+            log.warning(
+                "closing the store client of %s:%d: %s%s",
+                self._host,
+                self._port,
+                f"{len(self._unacked)} write(s) may be lost: " if self._unacked else "",
+                exc,
+            )
 
     def _wait_for_workers(self, world_size: int, deadline: float) -> None:
         while True:
@@ -417,11 +467,68 @@ class TCPStore(Store):
             raise self._error(status, payload, what, key)
         return payload
 
+    def _send_write(self, frame: bytes, rid: int, what: str, key: str | None) -> None:
+        """Send a void write without waiting for its answer (pipelined). Lock held.
+
+        The write is kept until acknowledged (to be resent after a reconnect); with too many
+        unacknowledged, or no connection, this waits for the answers (reconnecting if needed).
+        """
+        if self._pending_error is not None:
+            exc, self._pending_error = self._pending_error, None
+            raise exc
+        self._check_frame_size(frame)
+        unacked = self._unacked
+        unacked.append((rid, frame, what, key))
+        self._unacked_bytes += len(frame)
+        sock = self._sock
+        if sock is not None:
+            try:
+                self._last_send = _monotonic()
+                sock.sendall(frame)
+            except OSError as exc:
+                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
+                self._disconnect(exc)
+            else:
+                if len(unacked) <= MAX_UNACKED_WRITES and self._unacked_bytes <= MAX_UNACKED_BYTES:
+                    return
+        ping = self._rid = self._rid + 1
+        self._request(P.encode_ping(ping), ping)
+
+    def _check_frame_size(self, frame: bytes) -> None:
+        if len(frame) > self._max_frame + 4:
+            raise StoreValueError(
+                f"request of {len(frame) - 4} bytes exceeds the server's maximum frame size of "
+                f"{self._max_frame} bytes"
+            )
+
+    def _acknowledged(self, status: int, payload: bytes) -> None:
+        """The answer to the oldest pipelined write arrived; keep its error for the next call."""
+        _, frame, what, key = self._unacked.popleft()
+        self._unacked_bytes -= len(frame)
+        if status != _OK and self._write_error is None:
+            err = self._error(status, payload, what, key)
+            self._write_error = type(err)(
+                f"{what}({key!r}), sent earlier by this client, failed: {err} (reported by the "
+                "next call to the server, which was itself carried out)"
+            )
+
     def _request(self, frame: bytes, rid: int, deadline: float | None = None) -> tuple[int, bytes]:
         """Send ``frame`` and return (status, payload) of its response. Lock held.
 
+        Raises the error of an earlier pipelined write that the answers read on the way report.
+        """
+        result = self._exchange(frame, rid, deadline)
+        if self._write_error is not None:
+            err, self._write_error = self._write_error, None
+            raise err
+        return result
+
+    def _exchange(self, frame: bytes, rid: int, deadline: float | None = None) -> tuple[int, bytes]:
+        """Send ``frame`` and return (status, payload) of its response. Lock held.
+
         A lost connection is re-established until ``deadline`` (default: the store timeout from
-        now) and the request resent; the server answers a resent write from its memory.
+        now), and the unacknowledged writes and this request are resent, in order; the server
+        applies none of them twice.
         """
         sock = self._sock
         if sock is None or self._pending_error is not None or len(frame) > self._max_frame + 4:
@@ -444,14 +551,11 @@ class TCPStore(Store):
         if self._pending_error is not None:
             exc, self._pending_error = self._pending_error, None
             raise exc
-        if len(frame) > self._max_frame + 4:
-            raise StoreValueError(
-                f"request of {len(frame) - 4} bytes exceeds the server's maximum frame size of "
-                f"{self._max_frame} bytes"
-            )
+        self._check_frame_size(frame)
         attempts = 1 if reason is not None else 0
         while True:
             sock = self._sock
+            resend = b""
             if sock is None:
                 if self._closed:
                     raise StoreError(f"this TCPStore ({self._host}:{self._port}) is closed")
@@ -465,10 +569,12 @@ class TCPStore(Store):
                 self._connect(deadline, reason)
                 sock = self._sock
                 assert sock is not None
+                if self._unacked:
+                    resend = b"".join([f for _, f, _, _ in self._unacked])
             attempts += 1
             try:
                 self._last_send = _monotonic()
-                sock.sendall(frame)
+                sock.sendall(resend + frame if resend else frame)
                 return self._read_response(sock, rid)
             except StoreError:
                 self._disconnect()
@@ -489,6 +595,15 @@ class TCPStore(Store):
                 if size >= end:
                     payload = buf[9:end]
                     buf = buf[end:]
+                    unacked = self._unacked
+                    if unacked:
+                        # Answers come in request order: one to request r implies that every
+                        # write sent before it succeeded (quiet SETs are answered only on error).
+                        while unacked and unacked[0][0] < r:
+                            self._acknowledged(_OK, b"")
+                        if unacked and unacked[0][0] == r:
+                            self._acknowledged(status, payload)
+                            continue
                     if r == rid:
                         self._rbuf = buf
                         return status, payload
@@ -707,7 +822,7 @@ class TCPStore(Store):
                 return
             rid = self._rid = self._rid + 1
             try:
-                self._request(P.encode_ping(rid), rid, _monotonic() + self._ping_every)
+                self._exchange(P.encode_ping(rid), rid, _monotonic() + self._ping_every)
             except SessionExpiredError as exc:
                 self._pending_error = exc
             except (StoreError, OSError) as exc:

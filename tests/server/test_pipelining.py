@@ -1,0 +1,142 @@
+"""Pipelined writes: ``set``/``multi_set`` return once sent; ``flush()`` (or any answered call)
+confirms them; failures surface on the next call; resent writes are applied once."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+import pytest
+from _raw import Raw, start_server_process
+
+from rdzv.errors import StoreValueError
+from rdzv.server import StoreServer
+from rdzv.server import protocol as P
+from rdzv.store import TCPStore
+from rdzv.store._tcp import MAX_UNACKED_WRITES
+
+
+@pytest.fixture
+def server() -> Iterator[StoreServer]:
+    with StoreServer("127.0.0.1", 0) as running:
+        yield running
+
+
+def client(port: int) -> TCPStore:
+    return TCPStore("127.0.0.1", port, timeout=30)
+
+
+def test_flushed_sets_are_seen_by_another_client(server: StoreServer) -> None:
+    with client(server.port) as writer, client(server.port) as reader:
+        for i in range(50):
+            writer.set(f"k/{i}", f"v{i}")
+        writer.multi_set(["m/a", "m/b"], ["1", "2"])
+        writer.flush()
+        assert reader.multi_get([f"k/{i}" for i in range(50)]) == [f"v{i}".encode() for i in range(50)]
+        assert reader.list_keys("m/") == {"m/a": b"1", "m/b": b"2"}
+        writer.flush()  # nothing outstanding: returns at once
+
+
+def test_a_read_on_the_same_client_sees_its_own_pipelined_sets(server: StoreServer) -> None:
+    with client(server.port) as store:
+        for i in range(3 * MAX_UNACKED_WRITES):  # more than may stay unacknowledged
+            store.set("counter", str(i))
+        assert store.get("counter") == str(3 * MAX_UNACKED_WRITES - 1).encode()
+        assert store.add("counter", 1) == 3 * MAX_UNACKED_WRITES
+
+
+def test_close_drains_the_pipelined_sets(server: StoreServer) -> None:
+    writer = client(server.port)
+    for i in range(20):
+        writer.set(f"c/{i}", "x")
+    writer.close()
+    with client(server.port) as reader:
+        assert reader.count_keys("c/") == 20
+
+
+def test_failed_pipelined_set_is_raised_by_the_next_call_naming_it(server: StoreServer) -> None:
+    # A fault injected into the server's state: writing one key fails there.
+    state = server._core.state  # type: ignore[union-attr]
+    real_set = state.set
+
+    def failing_set(key: str, value: bytes, session: int = 0) -> list[str]:
+        if key == "doomed":
+            raise StoreValueError("the disk for 'doomed' is full")
+        return real_set(key, value, session)
+
+    state.set = failing_set
+    with client(server.port) as store:
+        store.set("before", "1")
+        store.set("doomed", "2")  # returns: the failure is not known yet
+        store.set("after", "3")
+        with pytest.raises(StoreValueError) as info:
+            store.get("after")
+        message = str(info.value)
+        assert "set('doomed')" in message and "the disk for 'doomed' is full" in message
+        # Reported once; the writes around it were applied and the client carries on.
+        assert store.multi_get(["before", "after"]) == [b"1", b"3"]
+        assert store.try_get("doomed") is None
+        store.set("doomed-too", "4")
+        store.set("doomed", "5")
+        with pytest.raises(StoreValueError, match=r"set\('doomed'\)"):
+            store.flush()
+        store.flush()
+        assert store.get("doomed-too") == b"4"
+
+
+def test_resent_writes_up_to_the_last_applied_id_are_not_applied_again(server: StoreServer) -> None:
+    raw = Raw(server.port)
+    raw.handshake(ttl=30.0)
+    raw.send(P.encode_set(5, b"k", b"first") + P.encode_set(6, b"k2", b"x"))
+    assert [P.decode_response(raw.frame())[:2] for _ in range(2)] == [(P.STATUS_OK, 5), (P.STATUS_OK, 6)]
+    with client(server.port) as other:
+        other.set("k", "newer")
+        other.flush()
+        revision = other.revision("k")
+        # A new connection resumes the session (as after a lost connection) and resends both.
+        again = Raw(server.port)
+        assert again.handshake(resume=raw.session, ttl=30.0).resumed
+        raw.close()
+        again.send(P.encode_set(5, b"k", b"first") + P.encode_set(6, b"k2", b"x"))
+        assert [P.decode_response(again.frame())[:2] for _ in range(2)] == [
+            (P.STATUS_OK, 5),
+            (P.STATUS_OK, 6),
+        ]
+        assert other.get("k") == b"newer" and other.revision("k") == revision
+        # A returning write resent below the last id is refused, not applied.
+        status, rid, payload = again.call(P.encode_add(4, b"n", 1))
+        assert (status, rid) == (P.STATUS_ERROR, 4)
+        assert "applied already" in P.decode_error(payload)[1]
+        assert other.try_get("n") is None
+        again.close()
+
+
+def test_sigkilled_durable_server_with_pipelined_sets_outstanding(tmp_path: object) -> None:
+    data_dir = os.path.join(str(tmp_path), "data")
+    server, port = start_server_process("--data-dir", data_dir, "--fsync", "never")
+    store = reader = None
+    try:
+        store = TCPStore("127.0.0.1", port, timeout=60, session_ttl=10)
+        for i in range(100):
+            store.set(f"a/{i}", str(i))
+        store.flush()
+        flushed_revision = store.revision("a/")
+        for i in range(200):
+            store.set(f"b/{i}", str(i))  # outstanding when the server dies
+        server.kill()
+        server.wait()
+        time.sleep(0.2)
+        server, _ = start_server_process("--data-dir", data_dir, "--fsync", "never", port=port)
+        store.flush()  # reconnects, resumes its session, resends what was not acknowledged
+        reader = TCPStore("127.0.0.1", port, timeout=60)
+        assert reader.list_keys("a/") == {f"a/{i}": str(i).encode() for i in range(100)}
+        assert reader.list_keys("b/") == {f"b/{i}": str(i).encode() for i in range(200)}
+        # The flushed writes were not sent again: nothing under a/ changed after them.
+        assert reader.revision("a/") == flushed_revision
+    finally:
+        for each in (store, reader):
+            if each is not None:
+                each.close()
+        server.kill()
+        server.wait()
