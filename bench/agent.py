@@ -181,7 +181,7 @@ def summarize(message: str) -> str:
     """The first line of a trial's error and the last error line of its agents' output."""
     lines = message.splitlines()
     errors = [line.strip() for line in lines if "Error" in line and ":" in line]
-    return lines[0] + (f" (agents: {errors[-1]})" if errors[1:] else "")
+    return lines[0] + (f" (agents: {errors[-1]})" if errors else "")
 
 
 def torch_available() -> bool:

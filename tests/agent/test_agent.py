@@ -110,3 +110,21 @@ def _alive(pid: int) -> bool:
     from conftest import pid_alive
 
     return pid_alive(pid)
+
+
+def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:
+    from conftest import WORKER, free_port
+
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(free_port())
+    nodes = [agents.start(["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank),
+                           "--master-addr", "127.0.0.1", "--master-port", port,
+                           "--log-dir", str(tmp_path / "logs"), WORKER, str(out)])
+             for rank in (0, 1)]
+    assert [node.wait() for node in nodes] == [0, 0], nodes[0].output() + nodes[1].output()
+    records = worker_records(str(out))
+    assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2, 3]
+    assert {r["GROUP_RANK"] for r in records if int(r["RANK"]) >= 2} == {"1"}
+    masters = {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in records}
+    assert len(masters) == 1 and masters.pop()[1] != port  # the workers get their own port

@@ -109,7 +109,8 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
         if bootstrap is not None and not handler.use_agent_store:
             addr, port = bootstrap.master_addr, bootstrap.master_port
         else:  # the bootstrap address is the agent's own store: the workers need their own port
-            addr, port = host, free_port(host)
+            addr = bootstrap.master_addr if bootstrap is not None else host
+            port = free_port(addr)
         for plan in plans:
             plan.update(addr=addr, port=port)
         store.multi_set([f"{ASSIGN_KEY}{g}" for g in range(size)],
