@@ -20,7 +20,8 @@ from typing import Any, Callable, NoReturn
 from torch.distributed.elastic.rendezvous import api as torch_api
 
 from .. import errors
-from ..rendezvous import RendezvousHandler, RendezvousParameters, get_rendezvous_handler
+from ..agent._round import ALIVE_DIR, wait_until_others_left
+from ..rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters, get_rendezvous_handler
 from . import _plugin
 from ._store import TorchStore
 
@@ -41,6 +42,9 @@ _TORCH_ERRORS: tuple[tuple[type[errors.RendezvousError], type[Exception]], ...] 
     (errors.RendezvousError, torch_api.RendezvousError),
 )
 """rdzv's error classes and torch's, most specific first."""
+
+LEAVE_TIMEOUT = 30.0
+"""Seconds the node serving the store waits, when shutting down, for the others to leave."""
 
 
 def _reraise_as_torch(exc: errors.RendezvousError) -> NoReturn:
@@ -83,11 +87,17 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
     found free (the workers' MASTER_ADDR/MASTER_PORT). ``use_agent_store`` is False: rdzv's store
     server does not speak torch's TCPStore protocol, so the workers bootstrap their own TCPStore
     at that address, as torch's ``c10d`` backend does by default.
+
+    With the tcp backend one node serves the store from its own process. torch's agent shuts the
+    handler down right after its exit barrier, so that node could exit while the others still
+    leave through its store; like ``rdzv run``, its :meth:`shutdown` first waits (at most
+    ``LEAVE_TIMEOUT``) until the other nodes' sessions have ended.
     """
 
     def __init__(self, handler: RendezvousHandler, backend: str) -> None:
         self._handler = handler
         self._backend = backend
+        self._round: RendezvousInfo | None = None
 
     @property
     def rdzv_handler(self) -> RendezvousHandler:
@@ -111,6 +121,8 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
             raise torch_api.RendezvousStateError(
                 f"the rdzv backend {self._backend!r} gave no bootstrap store address for the workers"
             )
+        self._call(lambda: info.store.set(f"{ALIVE_DIR}{info.rank}", b"1", ephemeral=True))
+        self._round = info
         return torch_api.RendezvousInfo(
             TorchStore(info.store),
             info.rank,
@@ -131,6 +143,11 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
         return self._handler.get_run_id()
 
     def shutdown(self) -> bool:
+        if self._round is not None:
+            try:
+                wait_until_others_left(self._round, LEAVE_TIMEOUT)
+            except errors.RendezvousError as exc:
+                logger.warning("cannot wait for the other nodes to leave: %s", exc)
         return self._call(self._handler.shutdown)
 
     @staticmethod
