@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import os
 import shutil
 import socket
@@ -185,11 +186,7 @@ def summarize(message: str) -> str:
 
 
 def torch_available() -> bool:
-    try:
-        import torch.distributed.run  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("torch") is not None
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import os
 import signal
 from typing import Any
 
-from conftest import wait_for, worker_records
+from _agents import WORKER, free_port, pid_alive, wait_for, worker_records
 
 
 def test_two_agents_give_their_workers_torch_env(agents: Any, rdzv: Any) -> None:
@@ -84,8 +84,8 @@ def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
     victim.wait()
     records = rdzv.running(4)
     assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2, 3]
-    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid)
-                             for pid in victim_workers), 10, "the killed agent's workers to die")
+    wait_for(lambda: not any(pid_alive(pid) for pid in victim_workers), 10,
+             "the killed agent's workers to die")
     open(rdzv.stop_file, "w").close()
     survivors = [n for n in nodes if n is not victim]
     assert [node.wait() for node in survivors] == [0, 0]
@@ -106,15 +106,7 @@ def test_sigterm_makes_an_agent_leave_cleanly_and_the_others_reform(
     assert [nodes[0].wait(), nodes[2].wait()] == [0, 0]
 
 
-def _alive(pid: int) -> bool:
-    from conftest import pid_alive
-
-    return pid_alive(pid)
-
-
 def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:
-    from conftest import WORKER, free_port
-
     out = tmp_path / "out"
     out.mkdir()
     port = str(free_port())

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Any
 
-from conftest import JOIN, wait_for
+from _agents import JOIN, wait_for
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "print_rank.py")
 

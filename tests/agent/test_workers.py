@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import pid_alive, wait_for
+from _agents import pid_alive, wait_for
 from rdzv.agent._errors import failure_summary, read_error_file, WorkerFailure
 from rdzv.agent._workers import WorkerExited, WorkerGroup, WorkerSpec
 
