@@ -63,7 +63,7 @@ class TorchStore(dist.Store):
         return self._store.capabilities
 
     def _seconds(self) -> float:
-        return self.timeout.total_seconds()
+        return self.timeout.total_seconds()  # type: ignore[attr-defined]  # torch's C++ property
 
     # -- timeouts -------------------------------------------------------------------------------
     def set_timeout(self, timeout: Timeout) -> None:  # type: ignore[override]
@@ -121,7 +121,7 @@ class TorchStore(dist.Store):
     def clone(self) -> "TorchStore":  # type: ignore[override]
         """Another adapter on the same wrapped store (kept alive as long as this one)."""
         twin = TorchStore(self._store)
-        dist.Store.set_timeout(twin, self.timeout)
+        dist.Store.set_timeout(twin, self.timeout)  # type: ignore[attr-defined]
         self._clones.append(twin)
         return twin
 
