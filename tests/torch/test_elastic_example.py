@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from conftest import PYTHON, REPO, free_port, wait_for
+from _torch_procs import PYTHON, REPO, free_port, wait_for
 
 EXAMPLE = str(REPO / "examples" / "elastic_train.py")
 STEPS = 400

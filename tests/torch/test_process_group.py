@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from conftest import HERE, PYTHON
+from _torch_procs import HERE, PYTHON
 
 import rdzv.torch
 from rdzv.errors import RendezvousParameterError

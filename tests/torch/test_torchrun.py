@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from conftest import HERE, PYTHON, free_port
+from _torch_procs import HERE, PYTHON, free_port
 
 from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous import registry as torch_registry
