@@ -7,7 +7,7 @@ import os
 import pytest
 
 from _clusters import ProcessCluster
-from contract import RendezvousContract
+from rendezvous_contract import RendezvousContract
 
 from rdzv.rendezvous._file import store_path
 from rdzv.store._file import FileStore

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from _nodes import ThreadNode
-from contract import RendezvousContract
+from rendezvous_contract import RendezvousContract
 
 from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
 from rdzv.rendezvous._memory import shared_store

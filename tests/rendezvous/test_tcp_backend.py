@@ -15,7 +15,7 @@ import pytest
 
 from _clusters import ProcessCluster
 from _nodes import NodeError, ProcessNode
-from contract import AT_ONCE, RendezvousContract, check_round, form
+from rendezvous_contract import AT_ONCE, RendezvousContract, check_round, form
 
 from rdzv.server import StoreServer
 from rdzv.store._tcp import TCPStore

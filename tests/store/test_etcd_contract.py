@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Iterator
 
 import pytest
-from contract import StoreContract
+from store_contract import StoreContract
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "etcd"))
 from etcd_testing import etcd_params, require_etcd  # noqa: E402

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from contract import StoreContract, eventually
+from store_contract import StoreContract, eventually
 
 from rdzv.errors import RendezvousStateError, StoreConnectionError
 from rdzv.store import FileStore, Store

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-from contract import StoreContract
+from store_contract import StoreContract
 
 from rdzv.store import HashStore, Store
 

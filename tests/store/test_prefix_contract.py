@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from contract import StoreContract
+from store_contract import StoreContract
 from test_file_contract import FileStoreFactory
 from test_hash_contract import HashStoreFactory
 

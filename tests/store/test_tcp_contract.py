@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import pytest
-from contract import StoreContract
+from store_contract import StoreContract
 
 from rdzv.server import StoreServer
 from rdzv.store import Store, TCPStore

@@ -16,7 +16,7 @@ import pytest
 dist = pytest.importorskip("torch.distributed")
 
 from _child import load_factory  # noqa: E402
-from contract import StoreContract  # noqa: E402
+from store_contract import StoreContract  # noqa: E402
 from test_hash_contract import HashStoreFactory  # noqa: E402
 from test_tcp_contract import TCPStoreFactory  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The Store interface: torch.distributed.Store's methods plus what the rendezvous needs.
 
 Every implementation (HashStore, FileStore, TCPStore, PrefixStore, the etcd store) derives from
-:class:`Store` and passes one contract suite (``tests/store/contract.py``).
+:class:`Store` and passes one contract suite (``tests/store/store_contract.py``).
 
 Beyond torch's API a store may offer, as declared in :attr:`Store.capabilities`:
 
