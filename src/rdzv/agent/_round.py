@@ -69,13 +69,14 @@ def loads_entry(key: str, raw: bytes) -> dict[str, Any]:
     return data
 
 
-def plan_assignments(nodes: list[tuple[int, str]]) -> list[dict[str, int]]:
+def plan_assignments(nodes: list[tuple[int, str]]) -> list[dict[str, Any]]:
     """Offsets of each node (given as (nproc, role) in group-rank order): global and per role."""
     world_size = sum(nproc for nproc, _ in nodes)
     role_sizes: dict[str, int] = {}
     for nproc, role in nodes:
         role_sizes[role] = role_sizes.get(role, 0) + nproc
-    offset, role_offsets, plans = 0, dict.fromkeys(role_sizes, 0), []
+    offset, role_offsets = 0, dict.fromkeys(role_sizes, 0)
+    plans: list[dict[str, Any]] = []
     for nproc, role in nodes:
         plans.append({"offset": offset, "world": world_size, "role_offset": role_offsets[role],
                       "role_world": role_sizes[role]})

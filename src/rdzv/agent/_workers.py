@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Mapping, Sequence
+from typing import IO, Any, Callable, Mapping, Sequence, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class WorkerGroup:
             threading.Thread(target=self._wait_for, args=(worker,), daemon=True,
                              name=f"rdzv-worker-{spec.local_rank}").start()
 
-    def _pump(self, pipe: IO[bytes], log: IO[bytes], console: IO[str], rank: int) -> threading.Thread:
+    def _pump(self, pipe: IO[bytes], log: IO[bytes], console: TextIO, rank: int) -> threading.Thread:
         prefix = f"[{rank}]:".encode()
 
         def copy() -> None:
