@@ -557,20 +557,45 @@ class _Conn(asyncio.BufferedProtocol):
         core = self.core
         self.last_recv = _monotonic()
         data = core.rview[:nbytes].tobytes()
-        if self.chunks is None and self.phase == _READY and nbytes >= 9:
-            # Fast path: the read holds exactly one whole request (a synchronous client).
-            length = _LEN_unpack_from(data)[0]
-            if length + 4 == nbytes and length <= self.max_frame:
-                resp = self._request(data, 4, nbytes)
-                if resp is not None:
-                    if core.wal is None and not self.closing:
-                        self.transport.write(resp)
-                    else:
-                        self.queue(resp)
+        if self.chunks is None and self.phase == _READY and core.wal is None:
+            # Fast path: whole requests answered by one write (a synchronous or pipelining client).
+            pos = self._answer_whole_requests(data, nbytes)
+            if pos == nbytes:
                 if core.dirty:
                     core.request_commit()
                 return
+            data = data[pos:]
         self.data_received(data)
+
+    def _answer_whole_requests(self, data: bytes, size: int) -> int:
+        """Answer the whole requests at the start of ``data`` (in-memory server); where they end.
+
+        Stops before anything the general path handles (a partial, short or oversized frame, a
+        closing connection, answers beyond the write buffer's high-water mark).
+        """
+        pos = 0
+        out: list[bytes] = []
+        out_size = 0
+        max_frame = self.max_frame
+        out_high = self.core.out_high
+        while size - pos >= 9:
+            length = _LEN_unpack_from(data, pos)[0]
+            end = pos + 4 + length
+            if end > size or length > max_frame or length < P.HEAD_SIZE or out_size > out_high:
+                break
+            resp = self._request(data, pos + 4, end)
+            pos = end
+            if resp is not None:
+                out.append(resp)
+                out_size += len(resp)
+            if self.closing or self.closed:
+                break
+        if out and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if self.closing:
+                self.transport.close()
+                self.closed = True
+        return size if self.closed else pos
 
     def data_received(self, data: bytes) -> None:
         core = self.core

@@ -51,6 +51,8 @@ Effect = Union[Put, Delete, SessionOpen, SessionClose]
 class Entry(NamedTuple):
     value: bytes
     session: int
+    paths: tuple[str, ...]
+    """The key's watch paths (:func:`~rdzv.store._base.dir_paths`), computed once per key."""
 
 
 def parse_counter(key: str, value: bytes | None) -> int:
@@ -222,15 +224,14 @@ class KVState:
     # -- internals ----------------------------------------------------------------------------
     def _put(self, key: str, value: bytes, session: int, revision: int) -> None:
         old = self._data.get(key)
-        self._data[key] = Entry(value, session)
-        if old is not None and old.session and old.session != session:
-            self._disown(key, old.session)
-        if session and (old is None or old.session != session):
-            self._session_keys.setdefault(session, set()).add(key)
         path_revision = self._path_revision
         if old is None:
+            paths = tuple(dir_paths(key))
+            self._data[key] = Entry(value, session, paths)
+            if session:
+                self._session_keys.setdefault(session, set()).add(key)
             dir_keys = self._dir_keys
-            for path in dir_paths(key):
+            for path in paths:
                 path_revision[path] = revision
                 if path.endswith("/") and path != key:
                     keys = dir_keys.get(path)
@@ -239,7 +240,14 @@ class KVState:
                     else:
                         keys.add(key)
         else:
-            for path in dir_paths(key):
+            paths = old.paths
+            self._data[key] = Entry(value, session, paths)
+            if old.session != session:
+                if old.session:
+                    self._disown(key, old.session)
+                if session:
+                    self._session_keys.setdefault(session, set()).add(key)
+            for path in paths:
                 path_revision[path] = revision
         if self.effects is not None:
             self.effects.append(Put(revision, key, value, session))
@@ -255,7 +263,7 @@ class KVState:
         entry = self._data.pop(key)
         if entry.session:
             self._disown(key, entry.session)
-        for path in dir_paths(key):
+        for path in entry.paths:
             self._path_revision[path] = revision
             if path.endswith("/") and path != key:
                 keys = self._dir_keys.get(path)

@@ -599,6 +599,9 @@ class TCPStore(Store):
                     if unacked:
                         # Answers come in request order: one to request r implies that every
                         # write sent before it succeeded (quiet SETs are answered only on error).
+                        if unacked[-1][0] < r:
+                            unacked.clear()
+                            self._unacked_bytes = 0
                         while unacked and unacked[0][0] < r:
                             self._acknowledged(_OK, b"")
                         if unacked and unacked[0][0] == r:
