@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from .agent import add_run_arguments, run_from_args
+from .agent._config import unknown_flag_hint
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        super().error(message + unknown_flag_hint(message, self))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m rdzv.run",
         description="Launch the workers of one node of an elastic job (torchrun's flags).",
         allow_abbrev=False,

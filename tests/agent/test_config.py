@@ -119,7 +119,9 @@ def test_cli_bad_flag_exits_2_with_the_fix() -> None:
 
 def test_cli_unknown_flag_exits_2() -> None:
     result = run_cli("--standalone", "--nprocs", "2", "x.py")
-    assert result.returncode == 2 and "--nprocs" in result.stderr
+    assert result.returncode == 2
+    assert "unrecognized arguments: --nprocs (did you mean: --nprocs -> --nproc-per-node?)" \
+        in result.stderr
 
 
 def test_cli_missing_script_exits_2() -> None:
