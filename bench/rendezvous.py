@@ -332,7 +332,11 @@ def main() -> None:
           f"threads over {args.procs} processes")
     print(f"{'N':>6} | {'rdzv':>10} | {'torch c10d':>10} | ratio")
     for run, n in enumerate(int(s) for s in args.sizes.split(",")):
-        mine = bench_barrier("rdzv", n, args.procs, run)
+        try:
+            mine = bench_barrier("rdzv", n, args.procs, run)
+        except (RuntimeError, AssertionError, OSError) as exc:
+            print(f"{n:>6} | failed: {str(exc)[:100]}", flush=True)
+            continue
         theirs = bench_barrier("torch", n, args.procs, run) if with_torch and n <= 128 else None
         note = "" if theirs is not None or not with_torch else " (torch skipped: > 128)"
         print(f"{n:>6} | {fmt(mine):>10} | {fmt(theirs):>10} | {ratio(theirs, mine)}{note}",
