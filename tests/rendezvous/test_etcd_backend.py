@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pytest
@@ -28,7 +29,7 @@ from rdzv.errors import RendezvousConnectionError, RendezvousParameterError  # n
 from rdzv.etcd import EtcdTLSFiles, LocalEtcd, LocalEtcdCluster  # noqa: E402
 from rdzv.etcd._local import free_ports  # noqa: E402
 from rdzv.rendezvous import get_rendezvous_handler, parse_rendezvous_url  # noqa: E402
-from rdzv.rendezvous._etcd import key_prefix  # noqa: E402
+from rdzv.rendezvous._etcd import RendezvousEtcdStore, key_prefix  # noqa: E402
 from rdzv.store import EtcdStore  # noqa: E402
 
 HUNG = {"heartbeat_interval": 1.0, "heartbeat_misses": 4}
@@ -219,3 +220,40 @@ def test_member_paused_mid_rendezvous(
     finally:
         etcd_cluster.resume(leader)
     check_round(form(members, timeout=120.0), 4)  # and again with every member back
+
+
+# -- what the backend's store does differently from EtcdStore ----------------------------------
+
+@pytest.fixture
+def stores(etcd_server: LocalEtcd) -> Iterator[list[RendezvousEtcdStore]]:
+    prefix = key_prefix(fresh_prefix())
+    opened = [RendezvousEtcdStore(etcd_server.endpoint, prefix=prefix, timeout=30)
+              for _ in range(8)]
+    yield opened
+    for store in opened:
+        store.close()
+
+
+def test_arrival_counter_gives_distinct_consecutive_indexes(
+    stores: list[RendezvousEtcdStore],
+) -> None:
+    counter = "rdzv/job/round/3/count"
+    with ThreadPoolExecutor(len(stores)) as pool:
+        got = list(pool.map(lambda s: [s.add(counter, 1) for _ in range(10)], stores))
+    assert sorted(i for batch in got for i in batch) == list(range(1, 10 * len(stores) + 1))
+    assert stores[0].add("rdzv/job/round/3/user/count", 5) == 5, "other keys: a plain add"
+
+
+def test_waiters_ignore_the_sealer_taking_its_lock_but_not_releasing_it(
+    stores: list[RendezvousEtcdStore],
+) -> None:
+    a, b = stores[:2]
+    ctl = "rdzv/job/round/0/ctl/"
+    since = a.revision(ctl)
+    b.set(ctl + "sealer", "b", ephemeral=True)
+    assert a.watch(ctl, since, 1.0) <= since, "woken by the lock being taken"
+    b.delete_key(ctl + "sealer")
+    assert a.watch(ctl, since, 30.0) > since, "the released lock must wake the waiters"
+    since = a.revision(ctl)
+    b.set(ctl + "status", "x")
+    assert a.watch(ctl, since, 30.0) > since
