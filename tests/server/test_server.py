@@ -164,7 +164,7 @@ def test_client_vanishing_mid_blocking_get(server: StoreServer, store: TCPStore)
 def test_handshake_not_completed_is_dropped(
     server: StoreServer, store: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rdzv.server._server as S
+    import rdzv.server._conn as S
 
     monkeypatch.setattr(S, "HANDSHAKE_TIMEOUT", 0.3)
     raw = Raw(server.port)

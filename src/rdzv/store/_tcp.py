@@ -1,15 +1,18 @@
 """TCPStore: a client of the rdzv store server, with torch's ``TCPStore`` constructor.
 
-One TCP connection per store object (``TCP_NODELAY``, blocking socket, one lock: thread safe),
-one round trip per call, except for the void writes ``set`` and ``multi_set``: like torch's
-``TCPStore.set`` they return once the request is sent (*pipelined*). Their acknowledgements are
-collected, in order, by the next call that waits for an answer (any read or returning write), by
-:meth:`TCPStore.flush`, or by ``close()``; a pipelined write that failed is raised by that next
-call, naming the write. At most ``MAX_UNACKED_WRITES`` (or ``MAX_UNACKED_BYTES``) stay
-unacknowledged; beyond that a write waits for the earlier acknowledgements. The connection carries a *session*: keys set with ``ephemeral=True``
-live as long as it. A keepalive thread pings an idle connection every ``session_ttl / 3``
-seconds, and blocking calls wait on the server in chunks of at most that long, so a live client
-never looks dead; a client that is killed, hung or cut off loses its ephemeral keys.
+One TCP connection per store object (``TCP_NODELAY``, blocking socket, one lock: thread safe;
+the connection itself is :mod:`._tcp_conn`), one round trip per call, except for the void writes
+``set`` and ``multi_set``: like torch's ``TCPStore.set`` they return once the request is sent
+(*pipelined*). Their acknowledgements are collected, in order, by the next call that waits for an
+answer (any read or returning write), by :meth:`TCPStore.flush`, or by ``close()``; a pipelined
+write that failed is raised by that next call, naming the write. At most ``MAX_UNACKED_WRITES``
+(or ``MAX_UNACKED_BYTES``) stay unacknowledged; beyond that a write waits for the earlier
+acknowledgements.
+
+The connection carries a *session*: keys set with ``ephemeral=True`` live as long as it. A
+keepalive thread pings an idle connection every ``session_ttl / 3`` seconds, and blocking calls
+wait on the server in chunks of at most that long, so a live client never looks dead; a client
+that is killed, hung or cut off loses its ephemeral keys.
 
 A lost connection is re-established (with backoff, within the call's timeout) and the session
 resumed, so a client carries on across a restart of a durable server. Every unacknowledged write
@@ -19,25 +22,14 @@ request id of each session and answers a resent one without applying it).
 
 from __future__ import annotations
 
-import logging
-import os
 import socket
 import struct
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Callable, Sequence
 
-from ..errors import (
-    SessionExpiredError,
-    StoreAuthenticationError,
-    StoreConnectionError,
-    StoreError,
-    StoreProtocolError,
-    StoreTimeoutError,
-    StoreValueError,
-)
+from ..errors import StoreError, StoreProtocolError, StoreTimeoutError, StoreValueError
 from ..server import _auth
 from ..server import protocol as P
 from ._base import (
@@ -52,41 +44,15 @@ from ._base import (
     to_bytes,
     to_seconds,
 )
+from ._tcp_conn import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, StoreConnection, log
 
-log = logging.getLogger("rdzv.store.tcp")
+__all__ = ["INIT_KEY", "MAX_UNACKED_BYTES", "MAX_UNACKED_WRITES", "TCPStore"]
 
 INIT_KEY = "init/"
 """The counter that clients increment when created with a world size (as torch's do)."""
-HANDSHAKE_TIMEOUT = 10.0
-_MAX_BACKOFF = 1.0
-MAX_UNACKED_WRITES = 256
-"""Pipelined writes a client may have unacknowledged before a write waits for their answers."""
-MAX_UNACKED_BYTES = 4 << 20
-"""... and their total size in bytes (the client keeps them to resend after a reconnect)."""
-_RESP = P.RESP_HEAD
 _OK = P.STATUS_OK
 _TIMEOUT = P.STATUS_TIMEOUT
 _monotonic = time.monotonic
-_SO_RCVTIMEO: int | None = getattr(socket, "SO_RCVTIMEO", None)
-_SO_SNDTIMEO: int | None = getattr(socket, "SO_SNDTIMEO", None)
-
-
-class _ConnectionLost(ConnectionError):
-    """The server closed the connection (internal: triggers a reconnect)."""
-
-
-def _describe(exc: BaseException | None, reply_timeout: float | None = None) -> str:
-    if exc is None:
-        return "not connected"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, (BlockingIOError, socket.timeout)):
-        return f"no reply within {reply_timeout:g} s" if reply_timeout else "timed out"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the host name ({exc.strerror})"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return str(exc) or type(exc).__name__
 
 
 def _bind_host(host_name: str) -> str:
@@ -96,7 +62,7 @@ def _bind_host(host_name: str) -> str:
     return "::" if ":" in host_name else "0.0.0.0"
 
 
-class TCPStore(Store):
+class TCPStore(StoreConnection, Store):
     """A store served by an rdzv store server (``rdzv serve``, or embedded with ``is_master``).
 
     The arguments are torch's: ``is_master=True`` starts a :class:`~rdzv.server.StoreServer` in
@@ -131,31 +97,7 @@ class TCPStore(Store):
         session_ttl = float(session_ttl)
         if not session_ttl >= 0:
             raise ValueError(f"session_ttl must be >= 0, got {session_ttl}")
-        self._host = host_name
-        self._port = int(port)
-        self._secret = _auth.normalize_secret(secret) if secret is not None else _auth.secret_from_env()
-        self._ttl = session_ttl
-        self._ping_every = session_ttl / 3.0 if session_ttl > 0 else 60.0
-        # How long to wait for any answer before taking the server for dead (and reconnecting):
-        # longer than the longest server-side wait (one chunk), and fixed, so that the socket
-        # option is set once per connection.
-        self._reply_timeout = max(2.0 * self._ping_every + 1.0, 5.0)
-        self._chunk_ms = P.wait_ms(self._ping_every)
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._stale: socket.socket | None = None
-        self._rbuf = b""
-        self._rid = 0
-        self._session = 0
-        self._had_ephemeral = False
-        self._max_frame = P.DEFAULT_MAX_FRAME_SIZE
-        self._closed = False
-        self._pending_error: BaseException | None = None
-        self._unacked: deque[tuple[int, bytes, str, str | None]] = deque()
-        """Pipelined writes sent but not yet acknowledged: (request id, frame, op name, key)."""
-        self._unacked_bytes = 0
-        self._write_error: StoreError | None = None
-        self._last_send = _monotonic()
+        self._init_connection(host_name, port, secret, session_ttl)
         self._server = None
         self._finalizer: weakref.finalize | None = None
         try:
@@ -458,382 +400,6 @@ class TCPStore(Store):
                 )
             self.watch(INIT_KEY, rev, remaining)
 
-    # -- the wire ---------------------------------------------------------------------------------
-    def _simple(self, encode: Callable[[int], bytes], what: str, key: str | None = None) -> bytes:
-        with self._lock:
-            rid = self._rid = self._rid + 1
-            status, payload = self._request(encode(rid), rid)
-        if status:
-            raise self._error(status, payload, what, key)
-        return payload
-
-    def _send_write(self, frame: bytes, rid: int, what: str, key: str | None) -> None:
-        """Send a void write without waiting for its answer (pipelined). Lock held.
-
-        The write is kept until acknowledged (to be resent after a reconnect); with too many
-        unacknowledged, or no connection, this waits for the answers (reconnecting if needed).
-        """
-        if self._pending_error is not None:
-            exc, self._pending_error = self._pending_error, None
-            raise exc
-        self._check_frame_size(frame)
-        unacked = self._unacked
-        unacked.append((rid, frame, what, key))
-        self._unacked_bytes += len(frame)
-        sock = self._sock
-        if sock is not None:
-            try:
-                self._last_send = _monotonic()
-                sock.sendall(frame)
-            except OSError as exc:
-                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
-                self._disconnect(exc)
-            else:
-                if len(unacked) <= MAX_UNACKED_WRITES and self._unacked_bytes <= MAX_UNACKED_BYTES:
-                    return
-        ping = self._rid = self._rid + 1
-        self._request(P.encode_ping(ping), ping)
-
-    def _check_frame_size(self, frame: bytes) -> None:
-        if len(frame) > self._max_frame + 4:
-            raise StoreValueError(
-                f"request of {len(frame) - 4} bytes exceeds the server's maximum frame size of "
-                f"{self._max_frame} bytes"
-            )
-
-    def _acknowledged(self, status: int, payload: bytes) -> None:
-        """The answer to the oldest pipelined write arrived; keep its error for the next call."""
-        _, frame, what, key = self._unacked.popleft()
-        self._unacked_bytes -= len(frame)
-        if status != _OK and self._write_error is None:
-            err = self._error(status, payload, what, key)
-            self._write_error = type(err)(
-                f"{what}({key!r}), sent earlier by this client, failed: {err} (reported by the "
-                "next call to the server, which was itself carried out)"
-            )
-
-    def _request(self, frame: bytes, rid: int, deadline: float | None = None) -> tuple[int, bytes]:
-        """Send ``frame`` and return (status, payload) of its response. Lock held.
-
-        Raises the error of an earlier pipelined write that the answers read on the way report.
-        """
-        result = self._exchange(frame, rid, deadline)
-        if self._write_error is not None:
-            err, self._write_error = self._write_error, None
-            raise err
-        return result
-
-    def _exchange(self, frame: bytes, rid: int, deadline: float | None = None) -> tuple[int, bytes]:
-        """Send ``frame`` and return (status, payload) of its response. Lock held.
-
-        A lost connection is re-established until ``deadline`` (default: the store timeout from
-        now), and the unacknowledged writes and this request are resent, in order; the server
-        applies none of them twice.
-        """
-        sock = self._sock
-        if sock is None or self._pending_error is not None or len(frame) > self._max_frame + 4:
-            return self._request_slow(frame, rid, deadline, None)
-        try:
-            self._last_send = _monotonic()
-            sock.sendall(frame)
-            return self._read_response(sock, rid)
-        except StoreError:
-            self._disconnect()
-            raise
-        except OSError as exc:
-            log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
-            self._disconnect(exc)
-            return self._request_slow(frame, rid, deadline, exc)
-
-    def _request_slow(
-        self, frame: bytes, rid: int, deadline: float | None, reason: BaseException | None
-    ) -> tuple[int, bytes]:
-        if self._pending_error is not None:
-            exc, self._pending_error = self._pending_error, None
-            raise exc
-        self._check_frame_size(frame)
-        attempts = 1 if reason is not None else 0
-        while True:
-            sock = self._sock
-            resend = b""
-            if sock is None:
-                if self._closed:
-                    raise StoreError(f"this TCPStore ({self._host}:{self._port}) is closed")
-                if deadline is None:
-                    deadline = _monotonic() + self._timeout
-                if attempts and _monotonic() >= deadline:
-                    raise StoreConnectionError(
-                        f"lost the connection to the store server at {self._host}:{self._port} "
-                        f"({_describe(reason, self._reply_timeout)})"
-                    ) from reason
-                self._connect(deadline, reason)
-                sock = self._sock
-                assert sock is not None
-                if self._unacked:
-                    resend = b"".join([f for _, f, _, _ in self._unacked])
-            attempts += 1
-            try:
-                self._last_send = _monotonic()
-                sock.sendall(resend + frame if resend else frame)
-                return self._read_response(sock, rid)
-            except StoreError:
-                self._disconnect()
-                raise
-            except OSError as exc:
-                reason = exc
-                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
-                self._disconnect(exc)
-
-    def _read_response(self, sock: socket.socket, rid: int) -> tuple[int, bytes]:
-        buf = self._rbuf
-        recv = sock.recv
-        while True:
-            size = len(buf)
-            if size >= 9:
-                length, status, r = _RESP.unpack_from(buf)
-                end = length + 4
-                if size >= end:
-                    payload = buf[9:end]
-                    buf = buf[end:]
-                    unacked = self._unacked
-                    if unacked:
-                        # Answers come in request order: one to request r implies that every
-                        # write sent before it succeeded (quiet SETs are answered only on error).
-                        if unacked[-1][0] < r:
-                            unacked.clear()
-                            self._unacked_bytes = 0
-                        while unacked and unacked[0][0] < r:
-                            self._acknowledged(_OK, b"")
-                        if unacked and unacked[0][0] == r:
-                            self._acknowledged(status, payload)
-                            continue
-                    if r == rid:
-                        self._rbuf = buf
-                        return status, payload
-                    if r == 0 and status == P.STATUS_ERROR:
-                        code, msg = P.decode_error(payload)
-                        raise StoreProtocolError(
-                            f"the store server at {self._host}:{self._port} closed the "
-                            f"connection: {msg}"
-                        )
-                    continue  # the answer to a request given up on earlier
-                if length < P.HEAD_SIZE or length > self._max_frame + (1 << 20):
-                    raise StoreProtocolError(
-                        f"malformed response frame ({length} bytes) from the store server at "
-                        f"{self._host}:{self._port}"
-                    )
-                if end > 1 << 20:
-                    buf = self._recv_exactly(sock, buf, end)
-                    continue
-            chunk = recv(65536)
-            if not chunk:
-                raise _ConnectionLost("the server closed the connection")
-            buf = buf + chunk if buf else chunk
-
-    @staticmethod
-    def _recv_exactly(sock: socket.socket, head: bytes, size: int) -> bytes:
-        data = bytearray(size)
-        view = memoryview(data)
-        have = len(head)
-        view[:have] = head
-        while have < size:
-            n = sock.recv_into(view[have:])
-            if n == 0:
-                raise _ConnectionLost("the server closed the connection")
-            have += n
-        return bytes(data)
-
-    @staticmethod
-    def _set_reply_timeout(sock: socket.socket, seconds: float) -> None:
-        if _SO_RCVTIMEO is not None and _SO_SNDTIMEO is not None:
-            sec = int(seconds)
-            tv = struct.pack("@ll", sec, int((seconds - sec) * 1e6))
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, _SO_RCVTIMEO, tv)
-                sock.setsockopt(socket.SOL_SOCKET, _SO_SNDTIMEO, tv)
-                return
-            except OSError:  # pragma: no cover - platform without timeval socket timeouts
-                pass
-        sock.settimeout(seconds)
-
-    def _disconnect(self, why: BaseException | None = None) -> None:
-        sock = self._sock
-        self._sock = None
-        self._rbuf = b""
-        if sock is None:
-            return
-        if isinstance(why, (BlockingIOError, socket.timeout)) and self._stale is None:
-            # The server did not answer in time but may be alive: closing this socket now would
-            # end the session there. Keep it until a new connection has resumed the session.
-            self._stale = sock
-            return
-        try:
-            sock.close()
-        except OSError:  # pragma: no cover
-            pass
-
-    def _close_stale(self) -> None:
-        stale, self._stale = self._stale, None
-        if stale is not None:
-            try:
-                stale.close()
-            except OSError:  # pragma: no cover
-                pass
-
-    def _connect(self, deadline: float, lost: BaseException | None) -> None:
-        """Connect and handshake, retrying until ``deadline`` (a server may not be up yet)."""
-        delay = 0.01
-        last: BaseException | None = None
-        addr = f"{self._host}:{self._port}"
-        while True:
-            remaining = deadline - _monotonic()
-            try:
-                sock = socket.create_connection(
-                    (self._host, self._port), timeout=max(0.05, min(remaining, HANDSHAKE_TIMEOUT))
-                )
-            except OSError as exc:
-                last = exc
-            else:
-                try:
-                    self._handshake(sock, deadline)
-                    return
-                except StoreError:
-                    sock.close()
-                    raise
-                except OSError as exc:
-                    sock.close()
-                    last = exc
-            remaining = deadline - _monotonic()
-            if remaining <= 0:
-                if lost is not None:
-                    raise StoreConnectionError(
-                        f"lost the connection to the store server at {addr} ({_describe(lost)}) "
-                        f"and could not reconnect: {_describe(last)}"
-                    ) from last
-                raise StoreConnectionError(
-                    f"could not connect to the store server at {addr}: {_describe(last)} "
-                    f"(tried for {self._timeout:g} s)"
-                ) from last
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, _MAX_BACKOFF)
-
-    def _handshake(self, sock: socket.socket, deadline: float) -> None:
-        addr = f"{self._host}:{self._port}"
-        sock.settimeout(max(0.05, min(deadline - _monotonic(), HANDSHAKE_TIMEOUT)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = os.urandom(16)
-        secret = self._secret
-        sock.sendall(P.encode_hello(self._ttl, self._session, nonce, secret is not None))
-        try:
-            challenge = P.decode_challenge(self._recv_handshake(sock))
-        except P.ProtocolError as exc:
-            raise StoreProtocolError(f"{addr} is not an rdzv store server: {exc}") from None
-        if challenge.status == P.HS_VERSION_MISMATCH:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {challenge.message}")
-        if challenge.status != P.HS_OK:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {challenge.message}")
-        if secret is not None and not challenge.auth_required:
-            raise StoreAuthenticationError(
-                f"this client has a shared secret but the store server at {addr} requires none; "
-                "refusing to use an unauthenticated server"
-            )
-        mac = _auth.client_proof(secret, nonce, challenge.nonce) if secret is not None else b""
-        sock.sendall(P.encode_auth(mac))
-        try:
-            welcome = P.decode_welcome(self._recv_handshake(sock))
-        except P.ProtocolError as exc:
-            raise StoreProtocolError(f"bad handshake from the store server at {addr}: {exc}") from None
-        if welcome.status == P.HS_AUTH_FAILED:
-            hint = "" if secret is not None else " (pass secret= or set $RDZV_STORE_SECRET)"
-            raise StoreAuthenticationError(
-                f"the store server at {addr} refused this client: {welcome.message}{hint}"
-            )
-        if welcome.status != P.HS_OK:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {welcome.message}")
-        if secret is not None and not _auth.verify(
-            _auth.server_proof(secret, nonce, challenge.nonce), welcome.proof
-        ):
-            raise StoreAuthenticationError(
-                f"the store server at {addr} could not prove that it knows the shared secret"
-            )
-        sock.settimeout(None)
-        self._set_reply_timeout(sock, self._reply_timeout)
-        self._close_stale()  # the server moved the session to this connection
-        old = self._session
-        self._sock = sock
-        self._rbuf = b""
-        self._session = welcome.session
-        self._max_frame = welcome.max_frame_size
-        if old and not welcome.resumed:
-            log.warning(
-                "store session %d at %s ended while disconnected; continuing in session %d",
-                old,
-                addr,
-                welcome.session,
-            )
-            if self._had_ephemeral:
-                self._had_ephemeral = False
-                raise SessionExpiredError(
-                    f"the session {old} of this client at the store server {addr} expired while "
-                    f"disconnected, and its ephemeral keys with it (now in session {welcome.session})"
-                )
-        elif old:
-            log.info("resumed store session %d at %s", old, addr)
-
-    @staticmethod
-    def _recv_handshake(sock: socket.socket) -> bytes:
-        def exactly(n: int) -> bytes:
-            data = b""
-            while len(data) < n:
-                chunk = sock.recv(n - len(data))
-                if not chunk:
-                    raise _ConnectionLost("the server closed the connection during the handshake")
-                data += chunk
-            return data
-
-        (length,) = P.LEN.unpack(exactly(4))
-        if length > P.HANDSHAKE_MAX_FRAME:
-            raise P.ProtocolError(f"handshake frame of {length} bytes")
-        return exactly(length)
-
-    def _error(self, status: int, payload: bytes, what: str, key: str | None) -> StoreError:
-        about = f"{what}({key!r})" if key is not None else what
-        if status != P.STATUS_ERROR:
-            return StoreProtocolError(f"unexpected response status {status} to {about}")
-        code, msg = P.decode_error(payload)
-        if code == P.E_VALUE:
-            return StoreValueError(msg)
-        if code == P.E_AUTH:
-            return StoreAuthenticationError(msg)
-        if code == P.E_SESSION:
-            return SessionExpiredError(msg)
-        if code in (P.E_BAD_REQUEST, P.E_UNKNOWN_OP, P.E_FRAME_TOO_LARGE, P.E_VERSION):
-            return StoreProtocolError(
-                f"the store server at {self._host}:{self._port} rejected {about}: {msg}"
-            )
-        return StoreError(f"the store server at {self._host}:{self._port} failed {about}: {msg}")
-
-    # -- keepalive --------------------------------------------------------------------------------
-    def _keepalive_due(self) -> float:
-        return self._last_send + self._ping_every
-
-    def _keepalive(self) -> None:
-        if self._closed or not self._lock.acquire(blocking=False):
-            return
-        try:
-            if self._closed or _monotonic() - self._last_send < self._ping_every:
-                return
-            rid = self._rid = self._rid + 1
-            try:
-                self._exchange(P.encode_ping(rid), rid, _monotonic() + self._ping_every)
-            except SessionExpiredError as exc:
-                self._pending_error = exc
-            except (StoreError, OSError) as exc:
-                self._last_send = _monotonic()  # retry at the next period, not at once
-                log.debug("keepalive to %s:%d failed: %s", self._host, self._port, exc)
-        finally:
-            self._lock.release()
-
 
 class _Keepalive:
     """One thread per process pinging the idle connections of every TCPStore."""
@@ -876,3 +442,4 @@ class _Keepalive:
 
 
 _KEEPALIVE = _Keepalive()
+

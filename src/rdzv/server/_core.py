@@ -1,0 +1,166 @@
+"""The server's state on the event loop: data, sessions and their expiry, committing.
+
+:class:`Core` owns the :class:`~rdzv.store._state.KVState`, the sessions (attached to
+connections, expired when not resumed after a restart) and the commit step that makes changes
+durable in the write-ahead log before any answer is sent; with the request handlers
+(:mod:`._dispatch`) and the waiters (:mod:`._waiters`) it is everything that runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..store._base import DEFAULT_SESSION_TTL
+from ..store._state import KVState
+from . import protocol as P
+from ._dispatch import RequestHandlers
+from ._waiters import Waiter
+
+if TYPE_CHECKING:
+    from ._conn import Conn
+
+log = logging.getLogger("rdzv.server")
+
+
+class Session:
+    """A client's session: its ephemeral keys' owner, and the last write it had applied."""
+
+    __slots__ = ("id", "ttl", "conn", "last_rid", "last_resp", "timer")
+
+    def __init__(self, sid: int, ttl: float) -> None:
+        self.id = sid
+        self.ttl = ttl
+        self.conn: Conn | None = None
+        self.last_rid = 0
+        self.last_resp: bytes | None = b""
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Core(RequestHandlers):
+    """Everything that runs on the loop: data, sessions, waiters, connections, the log."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        state: KVState,
+        wal: Any,
+        secret: bytes | None,
+        max_frame_size: int,
+    ) -> None:
+        self.loop = loop
+        self.state = state
+        self.wal = wal
+        self.secret = secret
+        self.max_frame_size = max_frame_size
+        self.out_high = max_frame_size + (1 << 20)
+        """Write buffer high-water mark of a connection (asyncio then pauses its reading)."""
+        self.out_limit = 2 * self.out_high
+        """A connection whose unsent answers exceed this is dropped (it does not read them)."""
+        self.rview = memoryview(bytearray(1 << 18))  # every connection reads into this
+        self.conns: set[Conn] = set()
+        self.sessions: dict[int, Session] = {}
+        self.waiters: dict[str, set[Waiter]] = {}
+        self.dirty: list[Conn] = []
+        self.commit_scheduled = False
+        self.stopping = False
+        self.failed: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.handlers = self.handler_table()
+        self.mutating = [op in P.MUTATING_OPS for op in range(256)]
+        now = loop.time()
+        for sid, ttl in list(state.session_ttls.items()):
+            # Recovered from the log: each session gets a fresh window to be resumed.
+            sess = Session(sid, ttl)
+            self.sessions[sid] = sess
+            window = ttl if ttl > 0 else DEFAULT_SESSION_TTL
+            sess.timer = loop.call_at(now + window, self._expire_detached, sess)
+
+    # -- committing: log first, then answer ------------------------------------------------
+    def commit(self) -> None:
+        """Make the pending effects durable, then send every pending response."""
+        self.commit_scheduled = False
+        wal = self.wal
+        logged = False
+        if wal is not None:
+            effects = self.state.effects
+            if effects:
+                self.state.effects = []
+                try:
+                    wal.append(effects)
+                    wal.flush()
+                except BaseException as exc:  # noqa: BLE001 - nothing may be acknowledged now
+                    self.fatal(exc)
+                    return
+                logged = True
+        dirty = self.dirty
+        if dirty:
+            self.dirty = []
+            for conn in dirty:
+                conn.flush_out()
+        if logged:
+            try:
+                wal.snapshot_if_due(self.state)
+            except Exception:  # a failed snapshot leaves the log intact
+                log.exception("writing a snapshot of the store failed; the log is kept")
+
+    def request_commit(self) -> None:
+        """Commit now (in memory), or at the end of this loop iteration (group commit to the log)."""
+        if self.wal is None:
+            self.commit()
+        elif not self.commit_scheduled:
+            self.commit_scheduled = True
+            self.loop.call_soon(self.commit)
+
+    def fatal(self, exc: BaseException) -> None:
+        """The write-ahead log failed: acknowledge nothing more, drop every client, stop."""
+        if self.failed is not None:
+            return
+        self.failed = exc
+        log.critical("the write-ahead log failed (%s); stopping the store server", exc)
+        self.dirty = []
+        for conn in list(self.conns):
+            conn.out = []
+            conn.transport.abort()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    # -- sessions --------------------------------------------------------------------------------
+    def attach_session(self, conn: "Conn", hello: P.Hello) -> tuple[Session, bool]:
+        sess = self.sessions.get(hello.resume_session) if hello.resume_session else None
+        if sess is not None:
+            old = sess.conn
+            if old is not None and old is not conn:
+                old.session = None
+                old.drop(f"its session {sess.id} was resumed by a new connection from {conn.peer}")
+            if sess.timer is not None:
+                sess.timer.cancel()
+                sess.timer = None
+            sess.ttl = hello.ttl
+            resumed = True
+        else:
+            sess = Session(self.state.open_session(hello.ttl), hello.ttl)
+            self.sessions[sess.id] = sess
+            resumed = False
+        sess.conn = conn
+        return sess, resumed
+
+    def end_session(self, sess: Session) -> None:
+        """Close ``sess``: delete its ephemeral keys and wake whoever watches them."""
+        if self.sessions.pop(sess.id, None) is None:
+            return
+        if sess.timer is not None:
+            sess.timer.cancel()
+            sess.timer = None
+        sess.conn = None
+        changed = self.state.close_session(sess.id)
+        if changed and self.waiters:
+            self.wake(changed)
+
+    def _expire_detached(self, sess: Session) -> None:
+        sess.timer = None
+        if sess.conn is None and sess.id in self.sessions:
+            log.info("session %d was not resumed after the restart; it expires", sess.id)
+            self.end_session(sess)
+            self.request_commit()

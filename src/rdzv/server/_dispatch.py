@@ -1,0 +1,183 @@
+"""Request dispatch: one handler per opcode, decoding the arguments and answering from the state.
+
+A handler takes ``(conn, rid, buf, pos, end)`` (the request's arguments are ``buf[pos:end]``)
+and returns the response frame, or None when the answer comes later (a waiter) or not at all (a
+quiet SET). :class:`RequestHandlers` is a part of :class:`~rdzv.server._core.Core`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import StoreValueError
+from . import protocol as P
+from ._waiters import Waiter, Waiters
+
+if TYPE_CHECKING:
+    from ._conn import Conn
+    from ._core import Session
+
+_DEC = P.DECODERS
+_dec_set = _DEC[P.OP_SET]
+_dec_get = _DEC[P.OP_GET]
+_ok = P.ok
+
+Handler = Callable[["Conn", int, bytes, int, int], "bytes | None"]
+
+
+class RequestHandlers(Waiters):
+    """The request handlers of :class:`~rdzv.server._core.Core` (which provides the sessions)."""
+
+    max_frame_size: int
+
+    def handler_table(self) -> list[Handler]:
+        """The handler of each opcode (0-255), unknown ones included."""
+        h: list[Handler] = [self._op_unknown] * 256
+        h[P.OP_PING] = self._op_ping
+        h[P.OP_SET] = self._op_set
+        h[P.OP_GET] = self._op_get
+        h[P.OP_ADD] = self._op_add
+        h[P.OP_COMPARE_SET] = self._op_compare_set
+        h[P.OP_WAIT] = self._op_wait
+        h[P.OP_CHECK] = self._op_check
+        h[P.OP_DELETE] = self._op_delete
+        h[P.OP_NUM_KEYS] = self._op_num_keys
+        h[P.OP_MULTI_GET] = self._op_multi_get
+        h[P.OP_MULTI_SET] = self._op_multi_set
+        h[P.OP_APPEND] = self._op_append
+        h[P.OP_LIST_KEYS] = self._op_list_keys
+        h[P.OP_COUNT_KEYS] = self._op_count_keys
+        h[P.OP_REVISION] = self._op_revision
+        h[P.OP_WATCH] = self._op_watch
+        h[P.OP_CLOSE_SESSION] = self._op_close_session
+        return h
+
+    def end_session(self, sess: "Session") -> None:  # pragma: no cover - provided by Core
+        raise NotImplementedError
+
+    def _op_unknown(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        raise P.ProtocolError(f"unknown opcode {buf[pos - P.HEAD_SIZE]}", P.E_UNKNOWN_OP)
+
+    def _op_ping(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        return P.ok(rid)
+
+    def _op_set(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
+        key, value, ephemeral = _dec_set(buf, pos, end)
+        changed = self.state.set(key, value, conn.session.id if ephemeral else 0)  # type: ignore[union-attr]
+        if self.waiters:
+            self.wake(changed)
+        return None if buf[pos] & P.FLAG_QUIET else _ok(rid)
+
+    def _op_get(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
+        key, blocking, wait_ms = _dec_get(buf, pos, end)
+        value = self.state.get(key)
+        if value is not None:
+            return _ok(rid, value) if blocking else _ok(rid, P.FOUND + value)
+        if not blocking:
+            return P.ok(rid, P.NOT_FOUND)
+        if wait_ms == 0:
+            return P.timeout(rid, [key])
+        self.add_waiter(Waiter(conn, rid, P.OP_GET, [key], 0), wait_ms)
+        return None
+
+    def _op_add(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        key, amount = _DEC[P.OP_ADD](buf, pos, end)
+        result, changed = self.state.add(key, amount)
+        if self.waiters:
+            self.wake(changed)
+        return P.ok(rid, str(result).encode())
+
+    def _op_compare_set(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        key, expected, desired, ephemeral = _DEC[P.OP_COMPARE_SET](buf, pos, end)
+        result, changed = self.state.compare_set(
+            key, expected, desired, conn.session.id if ephemeral else 0  # type: ignore[union-attr]
+        )
+        if changed and self.waiters:
+            self.wake(changed)
+        return P.ok(rid, result)
+
+    def _blocking_keys(self, conn: "Conn", rid: int, op: int, keys: list[str], wait_ms: int) -> bytes | None:
+        w = Waiter(conn, rid, op, keys, 0)
+        resp = self.answer_now(w)
+        if resp is not None:
+            return resp
+        if wait_ms == 0:
+            state = self.state
+            return P.timeout(rid, [k for k in keys if not state.contains(k)])
+        self.add_waiter(w, wait_ms)
+        return None
+
+    def _op_wait(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
+        keys, wait_ms = _DEC[P.OP_WAIT](buf, pos, end)
+        return self._blocking_keys(conn, rid, P.OP_WAIT, keys, wait_ms)
+
+    def _op_multi_get(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
+        keys, wait_ms = _DEC[P.OP_MULTI_GET](buf, pos, end)
+        return self._blocking_keys(conn, rid, P.OP_MULTI_GET, keys, wait_ms)
+
+    def _op_check(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        (keys,) = _DEC[P.OP_CHECK](buf, pos, end)
+        contains = self.state.contains
+        return P.ok(rid, P.TRUE if all(contains(k) for k in keys) else P.FALSE)
+
+    def _op_delete(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        (key,) = _DEC[P.OP_DELETE](buf, pos, end)
+        changed = self.state.delete(key)
+        if changed and self.waiters:
+            self.wake(changed)
+        return P.ok(rid, P.TRUE if changed else P.FALSE)
+
+    def _op_num_keys(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        _DEC[P.OP_NUM_KEYS](buf, pos, end)
+        return P.ok(rid, P.U64.pack(self.state.num_keys()))
+
+    def _op_multi_set(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        keys, values = _DEC[P.OP_MULTI_SET](buf, pos, end)
+        if keys:
+            changed = self.state.multi_set(keys, values)
+            if self.waiters:
+                self.wake(changed)
+        return P.ok(rid)
+
+    def _op_append(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        key, value = _DEC[P.OP_APPEND](buf, pos, end)
+        changed = self.state.append(key, value)
+        if self.waiters:
+            self.wake(changed)
+        return P.ok(rid)
+
+    def _op_list_keys(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        (prefix,) = _DEC[P.OP_LIST_KEYS](buf, pos, end)
+        payload = P.payload_items(self.state.list_keys(prefix))
+        if len(payload) + P.HEAD_SIZE > self.max_frame_size:
+            raise StoreValueError(
+                f"list_keys({prefix!r}) would answer {len(payload)} bytes, more than the "
+                f"maximum frame size {self.max_frame_size}"
+            )
+        return P.ok(rid, payload)
+
+    def _op_count_keys(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        (prefix,) = _DEC[P.OP_COUNT_KEYS](buf, pos, end)
+        return P.ok(rid, P.U64.pack(self.state.count_keys(prefix)))
+
+    def _op_revision(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        (path,) = _DEC[P.OP_REVISION](buf, pos, end)
+        return P.ok(rid, P.U64.pack(self.state.path_revision(path)))
+
+    def _op_watch(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
+        path, since, wait_ms = _DEC[P.OP_WATCH](buf, pos, end)
+        rev = self.state.path_revision(path)
+        if rev > since or wait_ms == 0:
+            return P.ok(rid, P.U64.pack(rev))
+        self.add_waiter(Waiter(conn, rid, P.OP_WATCH, [path], since), wait_ms)
+        return None
+
+    def _op_close_session(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        _DEC[P.OP_CLOSE_SESSION](buf, pos, end)
+        sess = conn.session
+        if sess is not None:
+            conn.session = None
+            self.end_session(sess)
+        conn.closing = True
+        return P.ok(rid)
+
