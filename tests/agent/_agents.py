@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_worker.py")
-EXIT_TIMEOUT = 90.0
+EXIT_TIMEOUT = 240.0
 """Seconds an agent may take to finish on a loaded 2-core machine."""
 POLL = 0.05
-JOIN = 60.0
+JOIN = 180.0
 """Seconds for a round to form and its workers to start on a loaded machine."""
 
 

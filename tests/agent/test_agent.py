@@ -6,7 +6,11 @@ import os
 import signal
 from typing import Any
 
-from _agents import WORKER, free_port, pid_alive, wait_for, worker_records
+import pytest
+
+from _agents import JOIN, WORKER, free_port, pid_alive, wait_for, worker_records
+
+pytestmark = pytest.mark.timeout(900)  # real processes: slow on a loaded machine
 
 
 def test_two_agents_give_their_workers_torch_env(agents: Any, rdzv: Any) -> None:
@@ -84,7 +88,7 @@ def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
     victim.wait()
     records = rdzv.running(4)
     assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2, 3]
-    wait_for(lambda: not any(pid_alive(pid) for pid in victim_workers), 10,
+    wait_for(lambda: not any(pid_alive(pid) for pid in victim_workers), JOIN,
              "the killed agent's workers to die")
     open(rdzv.stop_file, "w").close()
     survivors = [n for n in nodes if n is not victim]

@@ -10,12 +10,16 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from _agents import JOIN, wait_for
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "print_rank.py")
 
+pytestmark = pytest.mark.timeout(900)  # real processes: slow on a loaded machine
 
-def rdzv_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+
+def rdzv_cli(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rdzv", *argv], capture_output=True, text=True,
                           timeout=timeout)
 
