@@ -26,7 +26,7 @@ from etcd_testing import etcd_params, require_etcd  # noqa: E402
 from test_security import PASSWORD, auth_etcd, pki, tls_etcd  # noqa: E402,F401 (fixtures)
 
 from rdzv.errors import RendezvousConnectionError, RendezvousParameterError  # noqa: E402
-from rdzv.etcd import EtcdTLSFiles, LocalEtcd, LocalEtcdCluster  # noqa: E402
+from rdzv.etcd import LocalEtcd, LocalEtcdCluster  # noqa: E402
 from rdzv.etcd._local import free_ports  # noqa: E402
 from rdzv.rendezvous import get_rendezvous_handler, parse_rendezvous_url  # noqa: E402
 from rdzv.rendezvous._etcd import RendezvousEtcdStore, key_prefix  # noqa: E402

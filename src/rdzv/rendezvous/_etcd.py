@@ -52,17 +52,21 @@ class RendezvousEtcdStore(EtcdStore):
       would make N joiners that arrive together retry O(N) times each on the one key. The
       counter's value is not a number then: only its version counts (the engine never reads
       it). Every other key and amount goes through :meth:`EtcdStore.add`.
-    * :meth:`revision` costs one request: the revision etcd is at now. The engine only uses
-      ``revision(path)`` as the ``since`` of a later ``watch(path, since)`` after reading the
-      state it depends on; etcd's current revision is at or after the last change of every
-      path, so the watch misses no change that follows the read, and no node scans etcd's
-      history for deletions (what the exact :meth:`EtcdStore.revision` does once per path).
+    * :meth:`revision` costs one request: the revision etcd is at now, and none right after an
+      arrival (its revision then). The engine only uses ``revision(path)`` as the ``since`` of
+      a later ``watch(path, since)`` after reading the state it depends on; any revision etcd
+      reached before that read is at or after the last change the read can see, so the watch
+      misses no change that follows it, and no node scans etcd's history for deletions (what
+      the exact :meth:`EtcdStore.revision` does once per path).
     * A watch of a round's ``ctl/`` directory does not wake on the sealer taking its lock:
       that put changes nothing any other joiner acts on (they would all re-read the round,
       try the lock and wait again), while the lock's release (the sealer died) and every
       other change of the directory still wake them. With N joiners this saves N wake-ups,
       each several requests and a new watch, per round.
     """
+
+    _arrived_at: int | None = None
+    """etcd's revision at this client's last arrival (until the next :meth:`revision`)."""
 
     def add(self, key: str, amount: int) -> int:
         if amount != 1 or not _ARRIVAL_COUNTER.match(key):
@@ -73,9 +77,13 @@ class RendezvousEtcdStore(EtcdStore):
             {"request_put": {"key": k, "value": ""}},
             {"request_range": {"key": k, "keys_only": True}},
         ]})  # fmt: skip
+        self._arrived_at = int(answer["header"]["revision"])
         return int(answer["responses"][1]["response_range"]["kvs"][0]["version"])
 
     def revision(self, path: str = "") -> int:
+        arrived_at, self._arrived_at = self._arrived_at, None
+        if arrived_at is not None and _CONTROL_DIR.match(path):
+            return arrived_at  # a joiner's first look at its round: its arrival is recent enough
         answer = self.client.call("kv/range", {**self._range(path), "count_only": True})
         return int(answer["header"]["revision"])
 
