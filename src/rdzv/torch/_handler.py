@@ -48,7 +48,12 @@ LEAVE_TIMEOUT = 30.0
 
 
 def _reraise_as_torch(exc: errors.RendezvousError) -> NoReturn:
-    """Raise torch's error class of the same name as ``exc`` (chained to it)."""
+    """Raise torch's error class of the same name as ``exc`` (chained to it).
+
+    Parameter errors stay as they are: they are ValueErrors, which is what torch raises too.
+    """
+    if isinstance(exc, errors.RendezvousParameterError):
+        raise exc
     for ours, theirs in _TORCH_ERRORS:
         if isinstance(exc, ours):
             raise theirs(str(exc)) from exc
