@@ -6,9 +6,11 @@ Run: ``.venv/bin/python bench/store.py [--ops 20000] [--rounds 3] [--waiters 100
 Both servers run in a process of their own (rdzv: ``python -m rdzv.server``; torch: a process
 holding a master ``torch.distributed.TCPStore``, its C++ server), all on 127.0.0.1.
 
-* throughput: one client in this process alternates ``set(key, 32 bytes)`` and ``get(key)``;
-  operations per second. The implementations take turns for ``--rounds`` rounds and the best
-  round of each is shown (this machine is shared: the best round is the least disturbed).
+* throughput: one client in this process alternates ``set(key, 32 bytes)`` and ``get(key)``
+  (rdzv pipelines the set, as torch does: both cost one round trip together); operations per
+  second, and the CPU time the client and the server spend per set+get (less disturbed by a
+  loaded machine than the rate). The implementations take turns for ``--rounds`` rounds and the
+  best round of each is shown (this machine is shared: the best round is the least disturbed).
 * wake-up: ``--waiters`` clients (one connection and one thread each, spread over ``--procs``
   processes) block in ``get("go")``; once all are counted in (plus a settling second) this
   process calls ``set("go")``. The time from the set until the last client returned
@@ -100,21 +102,33 @@ SERVERS = {"rdzv": start_rdzv_server, "torch": start_torch_server}
 
 
 # -- measurements --------------------------------------------------------------------------------
-def throughput(impl: str, port: int, ops: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(impl: str, port: int, ops: int, server_pid: int) -> tuple[float, float, float]:
+    """(ops/s, client CPU us per set+get, server CPU us per set+get) of one round."""
     store = CLIENTS[impl](port)
     value = b"x" * 32
     for _ in range(1000):
         store.set("warm", value)
         store.get("warm")
     pairs = ops // 2
+    client_cpu = time.process_time()
+    server_cpu = process_cpu_seconds(server_pid)
     started = time.perf_counter()
     for _ in range(pairs):
         store.set("key", value)
         store.get("key")
     elapsed = time.perf_counter() - started
+    client_us = (time.process_time() - client_cpu) / pairs * 1e6
+    server_us = (process_cpu_seconds(server_pid) - server_cpu) / pairs * 1e6
     if impl == "rdzv":
         store.close()
-    return 2 * pairs / elapsed
+    return 2 * pairs / elapsed, client_us, server_us
 
 
 def waiter_process(impl: str, port: int, count: int) -> None:
@@ -197,8 +211,11 @@ def main() -> None:
             print("torch is not installed: measuring rdzv only", file=sys.stderr)
 
     best: dict[str, float] = {}
+    client_cpu: dict[str, float] = {}
+    server_cpu: dict[str, float] = {}
     wake: dict[str, float] = {}
-    for impl in impls:
+    load_before = os.getloadavg()[0]
+    for impl in impls if args.waiters else []:
         proc, port = SERVERS[impl]()
         try:
             wake[impl] = wake_up(impl, port, args.waiters, args.procs)
@@ -209,35 +226,57 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for impl in impls:
-                rate = throughput(impl, servers[impl][1], args.ops)
+                proc, port = servers[impl]
+                rate, client_us, server_us = throughput(impl, port, args.ops, proc.pid)
                 best[impl] = max(best.get(impl, 0.0), rate)
+                client_cpu[impl] = min(client_cpu.get(impl, float("inf")), client_us)
+                server_cpu[impl] = min(server_cpu.get(impl, float("inf")), server_us)
     finally:
         for proc, _ in servers.values():
             proc.kill()
             proc.wait()
 
-    rows = [
-        ("set+get round trips/s, 1 client", {i: f"{best[i]:,.0f}" for i in impls}),
-        (f"wake {args.waiters} blocked gets, ms", {i: f"{wake[i] * 1000:,.1f}" for i in impls}),
+    with_torch = "torch" in impls
+    rows: list[tuple[str, dict[str, str], float | None]] = [
+        (
+            "set+get ops/s, 1 client",
+            {i: f"{best[i]:,.0f}" for i in impls},
+            best["rdzv"] / best["torch"] if with_torch else None,
+        ),
+        (
+            "client CPU us per set+get",
+            {i: f"{client_cpu[i]:.1f}" for i in impls},
+            client_cpu["torch"] / client_cpu["rdzv"] if with_torch else None,
+        ),
+        (
+            "server CPU us per set+get",
+            {i: f"{server_cpu[i]:.1f}" for i in impls},
+            server_cpu["torch"] / server_cpu["rdzv"] if with_torch else None,
+        ),
     ]
+    if wake:
+        rows.append(
+            (
+                f"wake {args.waiters} blocked gets, ms",
+                {i: f"{wake[i] * 1000:,.1f}" for i in impls},
+                wake["torch"] / wake["rdzv"] if with_torch else None,
+            )
+        )
     header = f"{'':36s}" + "".join(f"{i:>12s}" for i in impls)
     if "torch" in impls:
         header += f"{'rdzv/torch':>14s}"
     print(header)
-    for (label, cells), ratio in zip(
-        rows,
-        [
-            best["rdzv"] / best["torch"] if "torch" in impls else None,
-            wake["torch"] / wake["rdzv"] if "torch" in impls else None,
-        ],
-    ):
+    for label, cells, ratio in rows:
         line = f"{label:36s}" + "".join(f"{cells[i]:>12s}" for i in impls)
         if ratio is not None:
             line += f"{ratio:>13.2f}x"
         print(line)
     if "torch" in impls:
-        print("(ratio > 1: rdzv faster; for the wake-up it is torch's time / rdzv's time)")
-    print(f"machine: {os.cpu_count()} cores; Python {sys.version.split()[0]}")
+        print("(ratio > 1: rdzv faster or cheaper; for times and CPU it is torch's / rdzv's)")
+    print(
+        f"machine: {os.cpu_count()} cores; Python {sys.version.split()[0]}; load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
 
 
 if __name__ == "__main__":
