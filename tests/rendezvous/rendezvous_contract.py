@@ -1,7 +1,7 @@
 """The rendezvous contract: torch's documented dynamic-rendezvous semantics, for every backend.
 
 Subclass :class:`RendezvousContract` in a ``test_*.py`` module of ``tests/rendezvous`` (import
-it with ``from contract import RendezvousContract``) and give the subclass a fixture ``cluster``
+it with ``from rendezvous_contract import RendezvousContract``) and give the subclass a fixture ``cluster``
 yielding an object with:
 
 * ``node(min_nodes, max_nodes, run_id="job", **options)``: a new node (a :class:`ThreadNode`
