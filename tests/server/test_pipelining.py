@@ -10,7 +10,7 @@ from typing import Iterator
 import pytest
 from _raw import Raw, start_server_process
 
-from rdzv.errors import StoreValueError
+from rdzv.errors import SessionExpiredError, StoreValueError
 from rdzv.server import StoreServer
 from rdzv.server import protocol as P
 from rdzv.store import TCPStore
@@ -140,3 +140,26 @@ def test_sigkilled_durable_server_with_pipelined_sets_outstanding(tmp_path: obje
                 each.close()
         server.kill()
         server.wait()
+
+
+def test_unacknowledged_sets_are_resent_even_when_the_session_was_lost() -> None:
+    first = StoreServer("127.0.0.1", 0).start()
+    port = first.port
+    second = None
+    store = TCPStore("127.0.0.1", port, timeout=30)
+    try:
+        store.set("mine", "1", ephemeral=True)
+        store.flush()
+        first.stop()  # an in-memory server: its data and sessions are gone
+        store.set("after", "2")  # sent into the void (or failing to send): kept to resend
+        second = StoreServer("127.0.0.1", port).start()
+        with pytest.raises(SessionExpiredError, match="ephemeral keys"):
+            store.get("after")
+        assert store.get("after") == b"2"
+        assert store.revision("") == 1  # resent once, applied once
+        assert store.try_get("mine") is None
+    finally:
+        store.close()
+        first.stop()
+        if second is not None:
+            second.stop()

@@ -197,7 +197,6 @@ class StoreConnection:
         attempts = 1 if reason is not None else 0
         while True:
             sock = self._sock
-            resend = b""
             if sock is None:
                 if self._closed:
                     raise StoreError(f"this TCPStore ({self._host}:{self._port}) is closed")
@@ -211,12 +210,10 @@ class StoreConnection:
                 self._connect(deadline, reason)
                 sock = self._sock
                 assert sock is not None
-                if self._unacked:
-                    resend = b"".join([f for _, f, _, _ in self._unacked])
             attempts += 1
             try:
                 self._last_send = _monotonic()
-                sock.sendall(resend + frame if resend else frame)
+                sock.sendall(frame)
                 return self._read_response(sock, rid)
             except StoreError:
                 self._disconnect()
@@ -339,6 +336,8 @@ class StoreConnection:
                 try:
                     self._handshake(sock, deadline)
                     return
+                except SessionExpiredError:
+                    raise  # connected, in a new session: only the old session is gone
                 except StoreError:
                     sock.close()
                     raise
@@ -400,6 +399,8 @@ class StoreConnection:
             )
         sock.settimeout(None)
         self._set_reply_timeout(sock, self._reply_timeout)
+        if self._unacked:  # resent first, in order: the server applies each at most once
+            sock.sendall(b"".join([f for _, f, _, _ in self._unacked]))
         self._close_stale()  # the server moved the session to this connection
         old = self._session
         self._sock = sock
