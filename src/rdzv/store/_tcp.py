@@ -347,7 +347,7 @@ class TCPStore(StoreConnection, Store):
         """End this client's session (its ephemeral keys go at once) and close the connection.
 
         Pipelined writes not yet acknowledged are confirmed first (reconnecting for at most
-        10 s); if that fails it is logged, not raised (call :meth:`flush` to know). A master
+        5 s); if that fails it is logged, not raised (call :meth:`flush` to know). A master
         store also stops its embedded server.
         """
         with self._lock:
@@ -371,11 +371,11 @@ class TCPStore(StoreConnection, Store):
             self._finalizer()
 
     def _flush_before_close(self) -> None:
-        """Collect the answers of the pipelined writes (reconnecting for at most 10 s), logging
+        """Collect the answers of the pipelined writes (reconnecting for at most 5 s), logging
         a failure: close() never raises; call flush() first to know. Lock held."""
         rid = self._rid = self._rid + 1
         try:
-            self._request(P.encode_ping(rid), rid, _monotonic() + min(self._timeout, 10.0))
+            self._request(P.encode_ping(rid), rid, _monotonic() + min(self._timeout, 5.0))
         except StoreError as exc:
             log.warning(
                 "closing the store client of %s:%d: %s%s",
