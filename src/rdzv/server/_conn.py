@@ -111,6 +111,9 @@ class Conn(asyncio.BufferedProtocol):
         self.write_paused = False
         if self.closed:
             return
+        # The client drained our answers: it is alive even if its requests wait unread (a stopped
+        # process reads nothing), so its ttl counts from here.
+        self.last_recv = _monotonic()
         if self.deferred is not None:
             self.core.loop.call_soon(self._resume_deferred)
         else:
