@@ -104,14 +104,16 @@ class RendezvousEtcdStore(EtcdStore):
                 return super().watch(path, since, 0)
             if not events:
                 return int(since)
-            wake = [e for e in events if e.get("type") == "DELETE" or unb64(e["kv"]["key"]) != lock]
+            wake = [
+                e for e in events if e.get("type") == "DELETE" or unb64(e["kv"]["key"]) != lock
+            ]
             if wake:
                 return max(int(e["kv"]["mod_revision"]) for e in wake)
             start = max(int(e["kv"]["mod_revision"]) for e in events) + 1
 
 
 def key_prefix(etcd_prefix: str) -> str:
-    """The store prefix of ``etcd_prefix``: ``"/rdzv"`` -> ``"/rdzv/"``; ``""`` or ``"/"``: ``"/"``."""
+    """The store prefix of ``etcd_prefix``: ``"/rdzv"`` -> ``"/rdzv/"``, ``""`` -> ``"/"``."""
     return etcd_prefix.rstrip("/") + "/"
 
 
@@ -131,11 +133,13 @@ def store_options(params: RendezvousParameters) -> dict[str, Any]:
     if user is not None:
         options.update(user=user, password=password)
     read_timeout = params.get_option("read_timeout")
+    ttl = params.get_option("heartbeat_interval") * params.get_option("heartbeat_misses")
     options.update(
         timeout=read_timeout,
-        request_timeout=min(10.0, read_timeout),
+        # A keep-alive stuck on a hung member must move on well before the lease expires.
+        request_timeout=min(10.0, read_timeout, max(1.0, ttl / 3)),
         retry_timeout=read_timeout,
-        session_ttl=params.get_option("heartbeat_interval") * params.get_option("heartbeat_misses"),
+        session_ttl=ttl,
     )
     return options
 
