@@ -27,7 +27,7 @@ from ..errors import (
     RendezvousTimeoutError,
 )
 from ..store import PrefixStore, Store
-from ._api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 from ._decisions import Action, RoundRules, RoundView, decide, membership_changed, plan_ranks
 from ._layout import (
     CLOSED_STATUS,
@@ -75,6 +75,30 @@ class DynamicRendezvousHandler(RendezvousHandler):
     :meth:`set_closed` while this node waits in a round, for stores whose client serves one
     call at a time (TCPStore): the queries then never wait behind the round's blocking watch.
     """
+
+    @classmethod
+    def from_parameters(
+        cls,
+        store: Store,
+        params: RendezvousParameters,
+        *,
+        on_shutdown: Callable[[], None] | None,
+        query_store: Callable[[], Store] | None = None,
+        local_addr: str | None = None,
+    ) -> "DynamicRendezvousHandler":
+        """A handler over ``store`` configured by a backend's validated ``params``."""
+        return cls(
+            store,
+            params.run_id,
+            params.min_nodes,
+            params.max_nodes,
+            backend=params.backend,
+            local_addr=params.local_addr or local_addr,
+            join_timeout=params.get_option("join_timeout"),
+            last_call_timeout=params.get_option("last_call_timeout"),
+            on_shutdown=on_shutdown,
+            query_store=query_store,
+        )
 
     def __init__(
         self,

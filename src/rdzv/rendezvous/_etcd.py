@@ -171,14 +171,4 @@ def open_store(params: RendezvousParameters) -> RendezvousEtcdStore:
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     store = open_store(params)
     logger.debug("etcd rendezvous %s on %s under %r", params.run_id, params.endpoint, store.prefix)
-    return DynamicRendezvousHandler(
-        store,
-        params.run_id,
-        params.min_nodes,
-        params.max_nodes,
-        backend=params.backend,
-        local_addr=params.local_addr,
-        join_timeout=params.get_option("join_timeout"),
-        last_call_timeout=params.get_option("last_call_timeout"),
-        on_shutdown=store.close,
-    )
+    return DynamicRendezvousHandler.from_parameters(store, params, on_shutdown=store.close)

@@ -36,14 +36,4 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         timeout=params.get_option("read_timeout"),
         session_ttl=ttl,
     )
-    return DynamicRendezvousHandler(
-        store,
-        params.run_id,
-        params.min_nodes,
-        params.max_nodes,
-        backend=params.backend,
-        local_addr=params.local_addr,
-        join_timeout=params.get_option("join_timeout"),
-        last_call_timeout=params.get_option("last_call_timeout"),
-        on_shutdown=store.close,
-    )
+    return DynamicRendezvousHandler.from_parameters(store, params, on_shutdown=store.close)

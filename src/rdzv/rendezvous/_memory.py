@@ -30,14 +30,6 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """A handler whose store is a new client of the endpoint's shared HashStore."""
     store = shared_store(params.endpoint).client()
     store.set_timeout(params.get_option("read_timeout"))
-    return DynamicRendezvousHandler(
-        store,
-        params.run_id,
-        params.min_nodes,
-        params.max_nodes,
-        backend=params.backend,
-        local_addr=params.local_addr or "127.0.0.1",
-        join_timeout=params.get_option("join_timeout"),
-        last_call_timeout=params.get_option("last_call_timeout"),
-        on_shutdown=store.close,
+    return DynamicRendezvousHandler.from_parameters(
+        store, params, on_shutdown=store.close, local_addr="127.0.0.1"
     )

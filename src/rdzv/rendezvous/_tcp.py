@@ -99,15 +99,6 @@ def open_store(params: RendezvousParameters) -> tuple[TCPStore, bool, Callable[[
 
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     store, hosting, another_client = open_store(params)
-    return DynamicRendezvousHandler(
-        store,
-        params.run_id,
-        params.min_nodes,
-        params.max_nodes,
-        backend=params.backend,
-        local_addr=params.local_addr,
-        join_timeout=params.get_option("join_timeout"),
-        last_call_timeout=params.get_option("last_call_timeout"),
-        on_shutdown=None if hosting else store.close,
-        query_store=another_client,
+    return DynamicRendezvousHandler.from_parameters(
+        store, params, on_shutdown=None if hosting else store.close, query_store=another_client
     )
