@@ -17,6 +17,7 @@ from _clusters import ProcessCluster
 from _nodes import NodeError, ProcessNode
 from rendezvous_contract import AT_ONCE, RendezvousContract, check_round, form
 
+from rdzv.rendezvous import get_rendezvous_handler
 from rdzv.server import StoreServer
 from rdzv.store._tcp import TCPStore
 
@@ -89,6 +90,27 @@ def test_store_server_killed_mid_round_raises_connection_error():
     finally:
         if node is not None:
             node.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)
+
+
+def test_shutdown_with_the_store_server_gone_gives_up_after_close_timeout():
+    server = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        handler = get_rendezvous_handler(
+            f"tcp://127.0.0.1:{port}/job?min_nodes=1&max_nodes=1&is_host=false"
+            "&read_timeout=300&close_timeout=1&local_addr=127.0.0.1"
+        )
+        assert handler.next_rendezvous().world_size == 1
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+        started = time.monotonic()
+        assert handler.shutdown() is False  # leaving could not reach the store, and says so
+        assert time.monotonic() - started < 60  # bounded by close_timeout, not read_timeout (300 s)
+    finally:
         if server.poll() is None:
             server.kill()
             server.wait(timeout=30)

@@ -96,6 +96,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             local_addr=params.local_addr or local_addr,
             join_timeout=params.get_option("join_timeout"),
             last_call_timeout=params.get_option("last_call_timeout"),
+            close_timeout=params.get_option("close_timeout"),
             on_shutdown=on_shutdown,
             query_store=query_store,
         )
@@ -111,6 +112,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         local_addr: str | None = None,
         join_timeout: float = 600.0,
         last_call_timeout: float = 30.0,
+        close_timeout: float = 30.0,
         on_shutdown: Callable[[], None] | None = None,
         query_store: Callable[[], Store] | None = None,
     ) -> None:
@@ -128,6 +130,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._host = local_addr or socket.getfqdn()
         self._join_timeout = float(join_timeout)
+        self._close_timeout = float(close_timeout)
         self._on_shutdown = on_shutdown
         self._open_query_store = query_store
         self._query_store: Store | None = None
@@ -196,7 +199,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch(path, since, remaining)
 
     def shutdown(self) -> bool:
-        """Leave: delete this node's liveness keys (peers see it at once), release the backend."""
+        """Leave: delete this node's liveness keys (peers see it at once), release the backend.
+
+        Bounded by ``close_timeout``: with the store gone, leaving gives up rather than waiting
+        out the store's own timeout (the session's ephemeral keys expire on the server anyway).
+        """
+        self._store.set_timeout(min(self._close_timeout, self._store.timeout.total_seconds()))
         try:
             self._leave_round()
             self._member = None

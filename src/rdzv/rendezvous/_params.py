@@ -121,8 +121,8 @@ _ROUND_OPTIONS = (
            "RendezvousTimeoutError.", minimum=0),
     Option("last_call_timeout", float, 30.0, "Once min_nodes have joined, how long the round "
            "stays open for more nodes before it completes.", minimum=0),
-    Option("close_timeout", float, 30.0, "How long set_closed() and shutdown() wait for their "
-           "writes to reach the store.", minimum=0),
+    Option("close_timeout", float, 30.0, "How long shutdown() waits for its writes to reach "
+           "the store before giving up.", minimum=0),
     Option("heartbeat_interval", float, 5.0, "Seconds between a node's heartbeats to the store.", minimum=0.01, aliases=("keep_alive_interval",)),
     Option("heartbeat_misses", int, 3, "Missed heartbeats after which a hung node is dropped; "
            "the store's session_ttl is heartbeat_interval x heartbeat_misses.", minimum=1, aliases=("keep_alive_max_attempt",)),
