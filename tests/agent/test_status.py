@@ -52,6 +52,8 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
     assert all(m["alive"] and m["host"] == "127.0.0.1" and m["nproc"] == 2
                for m in complete["members"])
     assert {m["pid"] for m in complete["members"]} == {n.pid for n in nodes}
+    # each agent's sign of life is recent (refreshed every few seconds while its workers run)
+    assert all(0 <= m["last_seen_s_ago"] < 60 for m in complete["members"])
     assert complete["last_round_s"] is not None
     text = status(rdzv).stdout
     assert "run job: complete" in text and "3 node(s)" in text and "127.0.0.1" in text

@@ -38,6 +38,7 @@ from ._round import (
     MembershipWatcher,
     all_done,
     assign,
+    mark_alive,
     mark_done,
     wait_until_others_left,
 )
@@ -328,7 +329,7 @@ class ElasticAgent:
         until every node of the round has finished too.
         """
         generation = self._generation
-        watcher = self._watch(generation)
+        watcher = self._watch(generation, info)
         finished_at: float | None = None
         closed_seen = False
         try:
@@ -376,9 +377,9 @@ class ElasticAgent:
         finally:
             watcher.stop()
 
-    def _watch(self, generation: int) -> MembershipWatcher:
+    def _watch(self, generation: int, info: RendezvousInfo) -> MembershipWatcher:
         watcher = MembershipWatcher(self.handler, self._events, generation,
-                                    self.config.monitor_interval)
+                                    self.config.monitor_interval, lambda: mark_alive(info))
         watcher.start()
         return watcher
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from ..errors import RendezvousError, RendezvousStateError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ..rendezvous._engine import free_port
+from ..rendezvous._status import AGENT_ALIVE
 from ..rendezvous._status import AGENT_NODES as NODE_KEY
 from ..store import Store
 
@@ -33,7 +34,10 @@ logger = logging.getLogger(__name__)
 ASSIGN_KEY = "agent/assign/"
 DONE_COUNT_KEY = "agent/done"
 ALL_DONE_KEY = "agent/all-done"
-ALIVE_DIR = "agent/alive/"
+ALIVE_DIR = AGENT_ALIVE
+"""Each node's ephemeral sign of life in its round's store: the wall time it last wrote it."""
+HEARTBEAT_EVERY = 5.0
+"""Seconds between refreshes of a node's ``ALIVE_DIR`` entry while its workers run."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     entry = {"nproc": nproc, "role": role, "host": host, "pid": os.getpid(), "time": time.time(),
              "join_s": round(join_seconds, 6)}
     store.set(f"{NODE_KEY}{rank}", json.dumps(entry))
-    store.set(f"{ALIVE_DIR}{rank}", b"1", ephemeral=True)  # gone when this node's session ends
+    mark_alive(info)
     if rank == 0:
         keys = [f"{NODE_KEY}{g}" for g in range(size)]
         entries = [loads_entry(k, raw) for k, raw in zip(keys, store.multi_get(keys))]
@@ -130,6 +134,11 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
         master_addr=str(mine["addr"]),
         master_port=int(mine["port"]),
     )
+
+
+def mark_alive(info: RendezvousInfo) -> None:
+    """Write this node's sign of life (the time now); gone when its store session ends."""
+    info.store.set(f"{ALIVE_DIR}{info.rank}", json.dumps({"time": time.time()}), ephemeral=True)
 
 
 def mark_done(info: RendezvousInfo) -> None:
@@ -176,8 +185,11 @@ class MembershipWatcher:
     """
 
     def __init__(self, handler: RendezvousHandler, events: "queue.SimpleQueue[Any]",
-                 generation: int, wait_slice: float) -> None:
+                 generation: int, wait_slice: float,
+                 heartbeat: Callable[[], None] | None = None) -> None:
         self._handler = handler
+        self._heartbeat = heartbeat
+        self._last_beat = time.monotonic()
         self._events = events
         self._generation = generation
         self._slice = wait_slice
@@ -204,6 +216,11 @@ class MembershipWatcher:
                 if done is not None and done[0]():
                     self._events.put(done[1])
                     return
+                if self._heartbeat is not None and (
+                    time.monotonic() - self._last_beat >= HEARTBEAT_EVERY
+                ):
+                    self._last_beat = time.monotonic()
+                    self._heartbeat()
                 changed = self._handler.wait_for_membership_change(self._slice)
             except (RendezvousError, OSError) as exc:
                 if self._stopped.is_set():

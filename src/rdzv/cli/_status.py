@@ -81,19 +81,27 @@ def status_command(args: argparse.Namespace) -> int:
         return 1
     base = RunKeys(params.run_id).base
     reports = 0
+    shown: dict[str, Any] | None = None
+    printed_at = 0.0
     try:
         while True:
             since = store.revision(base)
             status = read_status(store, params.run_id)
-            if args.json:
-                print(json.dumps(status.as_dict()), flush=True)
-            else:
-                stamp = f"[{time.strftime('%H:%M:%S')}] " if args.watch else ""
-                print(stamp + format_status(status), flush=True)
-            reports += 1
-            if not args.watch or (args.count and reports >= args.count):
-                return 0
-            store.watch(base, since, args.interval)
+            shape = status.without_ages()
+            # --watch prints when the run changed (a write that changes nothing shown does not
+            # count), and at least every --interval seconds.
+            if shape != shown or time.monotonic() - printed_at >= args.interval:
+                if args.json:
+                    print(json.dumps(status.as_dict()), flush=True)
+                else:
+                    stamp = f"[{time.strftime('%H:%M:%S')}] " if args.watch else ""
+                    print(stamp + format_status(status), flush=True)
+                shown, printed_at = shape, time.monotonic()
+                reports += 1
+                if not args.watch or (args.count and reports >= args.count):
+                    return 0
+            remaining = printed_at + args.interval - time.monotonic()
+            store.watch(base, since, max(0.0, remaining))
     except KeyboardInterrupt:
         return 0
     except RendezvousError as exc:

@@ -20,6 +20,8 @@ from ._api import RendezvousParameters
 from ._layout import RunKeys, decode_int, decode_rank, decode_status
 
 AGENT_NODES = "agent/node/"
+AGENT_ALIVE = "agent/alive/"
+"""Where each agent refreshes the wall time of its last sign of life (ephemeral keys)."""
 """Where each agent describes itself in its round's store (one key per group rank)."""
 
 
@@ -36,6 +38,8 @@ class MemberStatus:
     role: str | None = None
     started_s_ago: float | None = None
     """Seconds since its agent finished joining this round."""
+    last_seen_s_ago: float | None = None
+    """Seconds since its agent last wrote its sign of life (every few seconds while it runs)."""
     join_s: float | None = None
     """How long its join took."""
 
@@ -72,6 +76,15 @@ class RunStatus:
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state}
 
+    def without_ages(self) -> dict[str, Any]:
+        """:meth:`as_dict` less the ages that grow by themselves: equal means nothing happened."""
+        shape = self.as_dict()
+        shape["members"] = [
+            {k: v for k, v in m.items() if k not in ("started_s_ago", "last_seen_s_ago")}
+            for m in shape["members"]
+        ]
+        return shape
+
 
 def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatus:
     """The state of run ``run_id`` in ``store``."""
@@ -105,6 +118,15 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
             agents[int(key[len(agents_dir):])] = entry if isinstance(entry, dict) else {}
         except ValueError:
             continue  # not an agent's entry: show the member without details
+    seen_dir = f"{keys.user(sealed)}/{AGENT_ALIVE}"
+    last_seen: dict[int, float] = {}
+    for key, raw in store.list_keys(seen_dir).items():
+        try:
+            stamp = json.loads(raw).get("time")
+            if isinstance(stamp, (int, float)):
+                last_seen[int(key[len(seen_dir):])] = stamp
+        except (ValueError, AttributeError):
+            continue  # not an agent's entry: its age stays unknown
     members = []
     for key, raw in store.list_keys(rank_dir).items():
         rank, _ = decode_rank(key, raw)
@@ -118,6 +140,7 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
             nproc=entry.get("nproc"),
             role=entry.get("role"),
             started_s_ago=round(now - stamp, 3) if isinstance(stamp, (int, float)) else None,
+            last_seen_s_ago=round(now - last_seen[rank], 3) if rank in last_seen else None,
             join_s=entry.get("join_s"),
         ))
     members.sort(key=lambda m: m.rank)
@@ -137,12 +160,14 @@ def format_status(status: RunStatus) -> str:
     lines.append(f"  round {status.round}: {status.world_size} node(s){took}; workers' master "
                  f"{status.master or '?'}")
     lines.append(f"  {'rank':>4}  {'alive':5}  {'host':24} {'pid':>8}  {'workers':>7}  "
-                 f"{'up':>8}")
+                 f"{'up':>8}  {'seen':>8}")
     for member in status.members:
         up = f"{member.started_s_ago:.0f} s" if member.started_s_ago is not None else "?"
+        seen = (f"{member.last_seen_s_ago:.0f} s ago" if member.last_seen_s_ago is not None
+                else "?")
         lines.append(f"  {member.rank:>4}  {_liveness(member, status):5}  "
                      f"{member.host or '?':24} {member.pid or '?':>8}  "
-                     f"{member.nproc or '?':>7}  {up:>8}")
+                     f"{member.nproc or '?':>7}  {up:>8}  {seen:>8}")
     if status.waiting:
         lines.append(f"  {status.waiting} node(s) waiting in round {status.forming_round} "
                      f"({status.rejoined} of them members coming back)")
