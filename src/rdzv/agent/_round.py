@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from ..errors import RendezvousError, RendezvousStateError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
-from ..rendezvous._engine import free_port
+from ..rendezvous._engine import PortReservation
 from ..rendezvous._status import AGENT_ALIVE
 from ..rendezvous._status import AGENT_NODES as NODE_KEY
 from ..store import Store
@@ -38,6 +38,19 @@ ALIVE_DIR = AGENT_ALIVE
 """Each node's ephemeral sign of life in its round's store: the wall time it last wrote it."""
 HEARTBEAT_EVERY = 5.0
 """Seconds between refreshes of a node's ``ALIVE_DIR`` entry while its workers run."""
+
+
+_workers_port: PortReservation | None = None
+"""The port group rank 0 holds for its workers' master when the rendezvous offers none."""
+
+
+def reserve_workers_port(addr: str) -> int:
+    """Hold a port for this node's workers until the next round (without a bind race)."""
+    global _workers_port
+    if _workers_port is not None:
+        _workers_port.release()
+    _workers_port = PortReservation(addr)
+    return _workers_port.port
 
 
 @dataclass(frozen=True)
@@ -115,7 +128,7 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
             addr, port = bootstrap.master_addr, bootstrap.master_port
         else:  # the bootstrap address is the agent's own store: the workers need their own port
             addr = bootstrap.master_addr if bootstrap is not None else host
-            port = free_port(addr)
+            port = reserve_workers_port(addr)
         for plan in plans:
             plan.update(addr=addr, port=port)
         store.multi_set([f"{ASSIGN_KEY}{g}" for g in range(size)],

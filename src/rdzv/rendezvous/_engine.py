@@ -56,14 +56,25 @@ class Membership:
     rejoined: bool
 
 
-def free_port(host: str) -> int:
-    """A port that is free on this machine now (for rank 0's bootstrap store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+class PortReservation:
+    """A TCP port held for this node's workers, without the race of "find a free port, close it".
+
+    The socket is bound with SO_REUSEADDR but never listens: the kernel hands the port to no
+    one else (not as an ephemeral port, not to a plain bind), while a server that binds it with
+    SO_REUSEADDR -- torch's TCPStore, rdzv's StoreServer, gloo -- can still listen on it.
+    """
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, 0))
+            self._sock.bind((host, 0))
         except OSError:
-            sock.bind(("", 0))
-        return sock.getsockname()[1]
+            self._sock.bind(("", 0))
+        self.port: int = self._sock.getsockname()[1]
+
+    def release(self) -> None:
+        self._sock.close()
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -138,6 +149,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._node_id = f"{self._host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._member: Membership | None = None
         self._owned: list[str] = []
+        self._port: PortReservation | None = None
+        """The port this node offers as the bootstrap port, held until its next round."""
         """Keys this node wrote for its current round (the first: its liveness for the next)."""
         self._stale: list[str] = []
         """Keys of the previous round still needed until the current one is sealed."""
@@ -213,6 +226,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             logger.warning("rendezvous %s: leaving failed: %s", self._keys.run_id, exc)
             return False
         finally:
+            if self._port is not None:
+                self._port.release()
+                self._port = None
             if self._query_store is not None:
                 self._query_store.close()
             if self._on_shutdown is not None:
@@ -236,7 +252,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store, keys = self._store, self._keys
         index = store.add(keys.count(r), 1) - 1
         node = NodeDescriptor(
-            self._node_id, self._host, os.getpid(), free_port(self._host),
+            self._node_id, self._host, os.getpid(), self._reserve_port(),
             previous.rank if previous else None,
         )
         # A member coming back keeps its liveness key in this round until the round is sealed.
@@ -384,6 +400,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             world_size=member.world_size,
             newer_round_sealed=self._latest_sealed() > member.round,
         )
+
+    def _reserve_port(self) -> int:
+        """A port for this round's bootstrap store (held; the previous round's is released)."""
+        if self._port is not None:
+            self._port.release()
+        self._port = PortReservation(self._host)
+        return self._port.port
 
     def _leave_round(self) -> None:
         """Drop out (timed out, closed, leaving): delete every key this node still has."""
