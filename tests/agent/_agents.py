@@ -9,8 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from typing import Any, Callable
+from typing import Any
+from _waiting import eventually as wait_for  # noqa: F401 (re-exported to the tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_worker.py")
@@ -61,15 +61,6 @@ class Agent:
         self._log.close()
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` until it returns a true value (bounded in time)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(POLL)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def worker_records(out_dir: str) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Iterator
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from rdzv.errors import SessionExpiredError
 from rdzv.etcd import LocalEtcd
 from rdzv.store import EtcdStore
+from _waiting import eventually as wait_until
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +25,6 @@ def store(etcd: LocalEtcd, request: pytest.FixtureRequest) -> Iterator[EtcdStore
         yield store
 
 
-def wait_until(condition, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_lost_lease_is_reported_once_then_renewed(store: EtcdStore, etcd: LocalEtcd) -> None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 from typing import Any, Callable
+
+if __name__ == "__main__":  # run as a node's child process: the shared test helpers are one up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _child_process import PipedChild  # noqa: E402
 
 READY_TIMEOUT = 60.0
 REPLY_TIMEOUT = 90.0
@@ -122,24 +124,16 @@ class ThreadNode:
         self.handler._store.close()
 
 
-class ProcessNode:
+class ProcessNode(PipedChild):
     """A handler in a child process, killable with real signals."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
+        super().__init__(os.path.abspath(__file__), json.dumps(spec))
         self._ids = itertools.count()
         self._pending: dict[int, Pending] = {}
         self._ready = Pending()
         self._write_lock = threading.Lock()
-        self._stopped = False
         threading.Thread(target=self._read, daemon=True).start()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -174,32 +168,6 @@ class ProcessNode:
 
     def call(self, op: str, *args: Any, timeout: float = REPLY_TIMEOUT) -> Any:
         return self.request(op, *args).result(timeout)
-
-    def kill(self) -> None:
-        if self._stopped:
-            self.resume()
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGSTOP)
-        self._stopped = True
-
-    def resume(self) -> None:
-        self.process.send_signal(signal.SIGCONT)
-        self._stopped = False
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            if self._stopped:
-                self.resume()
-            try:
-                assert self.process.stdin is not None
-                self.process.stdin.close()
-                self.process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(timeout=30)
 
 
 def _child_main(spec: dict[str, Any]) -> None:

@@ -18,11 +18,12 @@ Every wait is bounded; timing bounds are generous (a loaded 2-core machine) and 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from _nodes import NodeError
+from _waiting import eventually
 
 LONG = 60.0
 """A last-call or join timeout that a test must NOT wait for."""
@@ -30,14 +31,6 @@ AT_ONCE = 30.0
 """Results expected "at once" must arrive within this (far below LONG)."""
 
 
-def eventually(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    delay = 0.01
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {within:g} s: {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)
 
 
 def form(nodes: list[Any], timeout: float = AT_ONCE) -> list[dict[str, Any]]:

@@ -8,10 +8,10 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
 
 from rdzv.server import _auth
 from rdzv.server import protocol as P
+from _waiting import eventually as wait_until  # noqa: F401 (re-exported to the tests)
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 
@@ -118,10 +118,3 @@ def _drain(proc: subprocess.Popen) -> None:
     proc.log_lines = []  # type: ignore[attr-defined]
     threading.Thread(target=run, daemon=True).start()
 
-
-def wait_until(condition: Any, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within:g} s: {what}")
-        time.sleep(0.01)

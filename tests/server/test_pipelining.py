@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterator
 
 import pytest
 from _raw import Raw, start_server_process
@@ -15,12 +14,6 @@ from rdzv.server import StoreServer
 from rdzv.server import protocol as P
 from rdzv.store import TCPStore
 from rdzv.store._tcp import MAX_UNACKED_WRITES
-
-
-@pytest.fixture
-def server() -> Iterator[StoreServer]:
-    with StoreServer("127.0.0.1", 0) as running:
-        yield running
 
 
 def client(port: int) -> TCPStore:

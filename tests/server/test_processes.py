@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
 
 import pytest
 from _raw import python_env, start_server_process, wait_until
@@ -55,19 +54,6 @@ class Child:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
         self.proc.wait()
-
-
-@pytest.fixture
-def server() -> Iterator[StoreServer]:
-    with StoreServer("127.0.0.1", 0) as running:
-        yield running
-
-
-@pytest.fixture
-def store(server: StoreServer) -> Iterator[TCPStore]:
-    client = TCPStore("127.0.0.1", server.port, timeout=30)
-    yield client
-    client.close()
 
 
 def test_ephemeral_keys_of_a_sigkilled_client_go_at_once(server: StoreServer, store: TCPStore) -> None:

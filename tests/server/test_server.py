@@ -7,7 +7,6 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterator
 
 import pytest
 from _raw import Raw, wait_until
@@ -24,19 +23,6 @@ from rdzv.errors import (
 from rdzv.server import StoreServer
 from rdzv.server import protocol as P
 from rdzv.store import TCPStore
-
-
-@pytest.fixture
-def server() -> Iterator[StoreServer]:
-    with StoreServer("127.0.0.1", 0) as running:
-        yield running
-
-
-@pytest.fixture
-def store(server: StoreServer) -> Iterator[TCPStore]:
-    client = TCPStore("127.0.0.1", server.port, timeout=10)
-    yield client
-    client.close()
 
 
 def still_serving(server: StoreServer, store: TCPStore) -> None:

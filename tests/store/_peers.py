@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
-import subprocess
-import sys
 import threading
 from typing import Any
 
 from _child import decode, encode
+from _child_process import PipedChild
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child.py")
 READY_TIMEOUT = 60.0
@@ -32,24 +30,14 @@ class PeerError(Exception):
         self.type_name = type_name
 
 
-class ProcessPeer:
+class ProcessPeer(PipedChild):
     """A child process (``_child.py``) with its own client, opened from a JSON spec."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, CHILD_SCRIPT, json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        super().__init__(CHILD_SCRIPT, json.dumps(spec))
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._ready = False
-        self._stopped = False
         threading.Thread(target=self._read, daemon=True).start()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -87,32 +75,6 @@ class ProcessPeer:
     def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
         self.request(op, *args, **kwargs)
         return self.reply()
-
-    def kill(self) -> None:
-        """SIGKILL the child: no cleanup runs, its connections and locks just vanish."""
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        """SIGSTOP the child: alive but hung, its heartbeats stop."""
-        self.process.send_signal(signal.SIGSTOP)
-        self._stopped = True
-
-    def resume(self) -> None:
-        self.process.send_signal(signal.SIGCONT)
-        self._stopped = False
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            if self._stopped:
-                self.resume()
-            assert self.process.stdin is not None
-            try:
-                self.process.stdin.close()
-                self.process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(timeout=30)
 
 
 class ThreadPeer:

@@ -28,6 +28,7 @@ from _peers import PeerError, ProcessPeer, ThreadPeer
 
 from rdzv.errors import StoreTimeoutError, StoreValueError
 from rdzv.store import PrefixStore, Store, StoreCapabilities
+from _waiting import eventually
 
 CLIENT_TIMEOUT = 30.0
 """The timeout of the test's clients: long enough for a loaded machine, short enough to fail."""
@@ -37,15 +38,6 @@ EXPIRY_BOUND = 45.0
 """Seconds within which a dead or hung client's ephemeral keys must disappear."""
 
 
-def eventually(condition: Callable[[], bool], within: float, what: str) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    delay = 0.01
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {within:g} s: {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.25)
 
 
 def owner(store: Store) -> Store:

@@ -11,11 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import pytest
+from _waiting import eventually as wait_for  # noqa: F401 (re-exported to the tests)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -79,15 +79,6 @@ def procs(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
         proc.kill()
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` until it returns a true value; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(POLL)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def free_port() -> int:

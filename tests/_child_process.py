@@ -1,0 +1,53 @@
+"""A child Python process the tests drive with JSON lines and real signals (SIGKILL, SIGSTOP)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+
+class PipedChild:
+    """``python SCRIPT ARGS...`` with pipes on stdin and stdout; subclasses speak its protocol."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, script, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._stopped = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL the child: no cleanup runs, its connections and locks just vanish."""
+        if self._stopped:
+            self.resume()
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGSTOP the child: alive but hung, its heartbeats stop."""
+        self.process.send_signal(signal.SIGSTOP)
+        self._stopped = True
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self._stopped = False
+
+    def close(self) -> None:
+        """End the child by closing its input (killed if it does not exit within 10 s)."""
+        if self.process.poll() is None:
+            if self._stopped:
+                self.resume()
+            assert self.process.stdin is not None
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait(timeout=30)
