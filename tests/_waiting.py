@@ -6,7 +6,9 @@ import time
 from typing import Any, Callable
 
 
-def eventually(condition: Callable[[], Any], within: float, what: str = "the condition") -> Any:
+def eventually(
+    condition: Callable[[], Any], within: float = 30.0, what: str = "the condition"
+) -> Any:
     """The first true value of ``condition()``; AssertionError naming ``what`` after ``within`` s."""
     deadline = time.monotonic() + within
     delay = 0.01

@@ -86,6 +86,7 @@ def serve(client: Any) -> None:
 
 def main() -> None:
     sys.path.insert(0, REPO_ROOT)
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the shared test helpers (_waiting...)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     client = open_client(json.loads(sys.argv[1]))
     print(json.dumps({"ready": True}), flush=True)
