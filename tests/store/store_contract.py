@@ -318,6 +318,23 @@ class StoreContract:
         assert store.count_keys("a/") == 2
         assert set(store.list_keys("a/")) == {"a/y", "a/b/z"}
 
+    def test_read_many_answers_like_the_single_reads(self, store: Store) -> None:
+        self.require(store, "listing")
+        store.set("rm/a", "1")
+        store.set("rm/d/x", "x")
+        store.set("rm/d/y", "y")
+        reads = store.read_many(["rm/a", "rm/none"], ["rm/d/", "rm/nothing/"], ["rm/d/", "rm/never"])
+        assert reads.values == {"rm/a": b"1", "rm/none": None}
+        assert reads.counts == {"rm/d/": 2, "rm/nothing/": 0}
+        assert reads.revisions == {"rm/d/": store.revision("rm/d/"), "rm/never": 0}
+        assert reads.revisions["rm/d/"] > 0
+        view = PrefixStore("rm", store)
+        in_view = view.read_many(["a"], ["d/"], ["d/"])
+        assert (in_view.values, in_view.counts) == ({"a": b"1"}, {"d/": 2})
+        assert in_view.revisions == {"d/": reads.revisions["rm/d/"]}
+        empty = store.read_many()
+        assert (empty.values, empty.counts, empty.revisions) == ({}, {}, {})
+
     # -- revision / watch -------------------------------------------------------------------
     def test_revisions_grow_per_path(self, store: Store) -> None:
         assert store.revision("never/written") == 0

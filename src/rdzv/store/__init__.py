@@ -12,6 +12,7 @@ from .._lazy import lazy_exports
 from ._base import (
     DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
+    Reads,
     Store,
     StoreCapabilities,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "FileStore",
     "HashStore",
     "PrefixStore",
+    "Reads",
     "Store",
     "StoreCapabilities",
     "TCPStore",

@@ -51,6 +51,18 @@ class StoreCapabilities:
     """Several processes (or hosts) can share the store."""
 
 
+@dataclass(frozen=True)
+class Reads:
+    """The answers of one :meth:`Store.read_many` call, keyed by what was asked."""
+
+    values: dict[str, bytes | None]
+    """``try_get`` of each key asked: its value, or None if it is missing."""
+    counts: dict[str, int]
+    """``count_keys`` of each prefix asked."""
+    revisions: dict[str, int]
+    """``revision`` of each path asked."""
+
+
 def to_bytes(value: Value) -> bytes:
     """Convert a store value (str is UTF-8 encoded) to bytes."""
     if isinstance(value, bytes):
@@ -199,6 +211,25 @@ class Store(abc.ABC):
         Returns at once if it already changed. On timeout (default: :attr:`timeout`) returns a
         revision ``<= since`` instead of raising, so a caller can loop on its own deadline.
         """
+
+    def read_many(
+        self,
+        keys: Sequence[str] = (),
+        counts: Sequence[str] = (),
+        revisions: Sequence[str] = (),
+    ) -> Reads:
+        """Several non-blocking reads in one call: ``try_get`` of ``keys``, ``count_keys`` of
+        ``counts`` and ``revision`` of ``revisions``.
+
+        Stores that can answer them in one round trip do so (TCPStore pipelines the requests,
+        the etcd store sends one transaction); this default makes the calls one by one. The
+        answers need not come from one instant unless the implementation says so.
+        """
+        return Reads(
+            {key: self.try_get(key) for key in keys},
+            {prefix: self.count_keys(prefix) for prefix in counts},
+            {path: self.revision(path) for path in revisions},
+        )
 
     def close(self) -> None:
         """Release the store's resources; ephemeral keys of this client are deleted."""

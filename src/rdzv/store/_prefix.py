@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ._base import Store, Timeout, Value, check_key
+from ._base import Reads, Store, Timeout, Value, check_key
 
 
 class PrefixStore(Store):
@@ -88,6 +88,20 @@ class PrefixStore(Store):
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         return self.underlying_store.watch(self._path(path), since, timeout)
+
+    def read_many(
+        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+    ) -> Reads:
+        cut = len(self._head)
+        reads = self.underlying_store.read_many(
+            [self._k(k) for k in keys], [self._path(p) for p in counts],
+            [self._path(p) for p in revisions],
+        )
+        return Reads(
+            {k[cut:]: v for k, v in reads.values.items()},
+            {p[cut:]: n for p, n in reads.counts.items()},
+            {p[cut:]: r for p, r in reads.revisions.items()},
+        )
 
     def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
         return self.underlying_store._get_blocking([self._k(k) for k in keys], timeout)

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..store import Store, StoreCapabilities
-from ..store._base import Timeout, Value, check_key, to_seconds
+from ..store._base import Reads, Timeout, Value, check_key, to_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,11 @@ class TorchStore(dist.Store):
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         return self._store.watch(path, since, to_seconds(timeout, self._seconds()))
+
+    def read_many(
+        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+    ) -> Reads:
+        return self._store.read_many(keys, counts, revisions)
 
     def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
         return self._store._get_blocking(keys, timeout)
