@@ -35,6 +35,7 @@ from ..server import protocol as P
 from ._base import (
     DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
+    Reads,
     Store,
     StoreCapabilities,
     Timeout,
@@ -53,6 +54,21 @@ INIT_KEY = "init/"
 _OK = P.STATUS_OK
 _TIMEOUT = P.STATUS_TIMEOUT
 _monotonic = time.monotonic
+
+
+_READ_ENCODERS: dict[int, Callable[[int, bytes], bytes]] = {
+    P.OP_GET: lambda rid, key: P.encode_get(rid, key, False),
+    P.OP_COUNT_KEYS: P.encode_count_keys,
+    P.OP_REVISION: P.encode_revision,
+}
+"""The encoder of each request kind of :meth:`TCPStore.read_many`."""
+
+
+def _found(payload: bytes) -> bytes | None:
+    """The value in the answer to a non-blocking get (a found byte, then the value)."""
+    if not payload:
+        raise StoreProtocolError("malformed try_get response")
+    return payload[1:] if payload[0] else None
 
 
 def _bind_host(host_name: str) -> str:
@@ -229,10 +245,7 @@ class TCPStore(StoreConnection, Store):
 
     def try_get(self, key: str) -> bytes | None:
         kb = check_key(key).encode()
-        payload = self._simple(lambda rid: P.encode_get(rid, kb, False), "try_get", key)
-        if not payload:
-            raise StoreProtocolError("malformed try_get response")
-        return payload[1:] if payload[0] else None
+        return _found(self._simple(lambda rid: P.encode_get(rid, kb, False), "try_get", key))
 
     def check(self, keys: Sequence[str]) -> bool:
         kbs = [check_key(k).encode() for k in keys]
@@ -254,6 +267,33 @@ class TCPStore(StoreConnection, Store):
     def revision(self, path: str = "") -> int:
         pb = path.encode()
         return P.decode_u64(self._simple(lambda rid: P.encode_revision(rid, pb), "revision"))
+
+    def read_many(
+        self,
+        keys: Sequence[str] = (),
+        counts: Sequence[str] = (),
+        revisions: Sequence[str] = (),
+    ) -> Reads:
+        """Several non-blocking reads in one round trip: the requests are sent together
+        (pipelined) and answered in order."""
+        asked = [
+            *((P.OP_GET, check_key(k).encode(), "try_get", k) for k in keys),
+            *((P.OP_COUNT_KEYS, p.encode(), "count_keys", p) for p in counts),
+            *((P.OP_REVISION, p.encode(), "revision", p) for p in revisions),
+        ]
+        if not asked:
+            return Reads({}, {}, {})
+        with self._lock:
+            first = self._rid + 1
+            self._rid += len(asked)
+            frames = [_READ_ENCODERS[op](first + i, arg) for i, (op, arg, _, _) in enumerate(asked)]
+            answers = self._exchange_many(frames, first)
+        for (status, payload), (_, _, what, name) in zip(answers, asked):
+            if status:
+                raise self._error(status, payload, what, name)
+        values = {k: _found(payload) for k, (_, payload) in zip(keys, answers)}
+        numbers = [P.decode_u64(payload) for _, payload in answers[len(values) :]]
+        return Reads(values, dict(zip(counts, numbers)), dict(zip(revisions, numbers[len(counts) :])))
 
     def ping(self) -> None:
         """One round trip to the server (reconnecting if needed)."""

@@ -187,6 +187,37 @@ class StoreConnection:
             self._disconnect(exc)
             return self._request_slow(frame, rid, deadline, exc)
 
+    def _exchange_many(self, frames: list[bytes], first_rid: int) -> list[tuple[int, bytes]]:
+        """Send the read-only requests ``frames`` (ids ``first_rid``, ``first_rid + 1``...) in
+        one write, then read their answers: one round trip. Lock held.
+
+        Reads are idempotent: if the connection is lost, the ones not yet answered are sent
+        again, one by one, over the new connection.
+        """
+        for frame in frames:
+            self._check_frame_size(frame)
+        answers: list[tuple[int, bytes]] = []
+        sock = self._sock
+        if sock is not None and self._pending_error is None:
+            try:
+                self._last_send = _monotonic()
+                sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+                for i in range(len(frames)):
+                    answers.append(self._read_response(sock, first_rid + i))
+            except StoreError:
+                self._disconnect()
+                raise
+            except OSError as exc:
+                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
+                self._disconnect(exc)
+        deadline = _monotonic() + self._timeout
+        for i in range(len(answers), len(frames)):
+            answers.append(self._request_slow(frames[i], first_rid + i, deadline, None))
+        if self._write_error is not None:
+            err, self._write_error = self._write_error, None
+            raise err
+        return answers
+
     def _request_slow(
         self, frame: bytes, rid: int, deadline: float | None, reason: BaseException | None
     ) -> tuple[int, bytes]:
