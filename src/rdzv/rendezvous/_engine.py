@@ -304,18 +304,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 since, woken = self._watch(keys.ctl(r), since, step.wake_at - now), True
 
     def _observe(self, r: int) -> RoundView:
-        """The round as seen now; counts the decision cannot need are not read (left 0)."""
-        store, keys, rules = self._store, self._keys, self._rules
-        status_key = keys.status(r)
-        status = decode_status(status_key, store.try_get(status_key))
+        """The round as seen now, in one :meth:`Store.read_many` (one round trip on TCPStore,
+        one transaction on etcd). Reads what the decision can need and nothing more: the armed
+        flag only if ``min_nodes < max_nodes``, the previous round's members only for r > 0."""
+        keys, rules = self._keys, self._rules
+        status_key, armed_key = keys.status(r), keys.armed(r)
+        nodes, expect_dir, back_dir = keys.nodes(r), keys.expect_dir(r), keys.back_dir(r)
+        may_arm = rules.min_nodes < rules.max_nodes
+        reads = self._store.read_many(
+            keys=[status_key, armed_key] if may_arm else [status_key],
+            counts=[nodes, expect_dir, back_dir] if r > 0 else [nodes],
+        )
+        status = decode_status(status_key, reads.values[status_key])
         if status is not None:
             return RoundView(status is True, status is not True, 0, 0, 0, False)
-        alive = store.count_keys(keys.nodes(r))
-        expected = store.count_keys(keys.expect_dir(r))
-        rejoined = store.count_keys(keys.back_dir(r)) if expected else 0
-        armed = rules.min_nodes <= alive < rules.max_nodes and (
-            store.try_get(keys.armed(r)) is not None
-        )
+        alive = reads.counts[nodes]
+        expected = reads.counts.get(expect_dir, 0)
+        armed = rules.min_nodes <= alive < rules.max_nodes and reads.values[armed_key] is not None
+        rejoined = reads.counts[back_dir] if expected else 0
         return RoundView(False, False, alive, rejoined, expected, armed)
 
     def _try_seal(self, r: int) -> bool:
@@ -389,16 +395,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return self._query_store
 
     def _membership_changed(self, member: Membership) -> bool:
-        store, keys = self._store, self._keys
+        """Whether a member should re-rendezvous, from one :meth:`Store.read_many`."""
+        keys = self._keys
         next_round = member.round + 1
-        closed = (store.try_get(keys.status(next_round)) is not None
-                  or store.try_get(keys.closed) is not None)
+        status, nodes, expect_dir = (
+            keys.status(next_round), keys.nodes(next_round), keys.expect_dir(next_round)
+        )
+        reads = self._store.read_many([status, keys.closed, keys.sealed], [nodes, expect_dir])
         return membership_changed(
-            closed=closed,
-            waiting=store.count_keys(keys.nodes(next_round)),
-            alive_members=store.count_keys(keys.expect_dir(next_round)),
+            closed=reads.values[status] is not None or reads.values[keys.closed] is not None,
+            waiting=reads.counts[nodes],
+            alive_members=reads.counts[expect_dir],
             world_size=member.world_size,
-            newer_round_sealed=self._latest_sealed() > member.round,
+            newer_round_sealed=decode_int(keys.sealed, reads.values[keys.sealed], -1) > member.round,
         )
 
     def _reserve_port(self) -> int:
