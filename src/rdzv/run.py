@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from .agent import add_run_arguments, run_from_args
-from .agent._config import unknown_flag_hint
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        super().error(message + unknown_flag_hint(message, self))
+from .cli._hints import HintingParser
+from .cli._run import SCRIPT_ARGS_NOTE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(
+    parser = HintingParser(
         prog="python -m rdzv.run",
         description="Launch the workers of one node of an elastic job (torchrun's flags).",
         allow_abbrev=False,
+        unknown_note=SCRIPT_ARGS_NOTE,
     )
     add_run_arguments(parser)
     args = parser.parse_args(argv)

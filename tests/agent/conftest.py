@@ -9,26 +9,21 @@ from typing import Any
 
 import pytest
 
-from _agents import JOIN, POLL, WORKER, Agent, free_port, pid_alive, wait_for, worker_records
+from _agents import JOIN, POLL, WORKER, pid_alive, wait_for, worker_records
+from _launcher import RDZV_RUN, Launcher, LoggedProcess, free_port
 
 
 @pytest.fixture
 def agents(tmp_path: Any) -> Any:
     """Start agents with ``agents.start(args)``; every agent still running is killed at the end."""
 
-    class Agents:
-        def __init__(self) -> None:
-            self.started: list[Agent] = []
+    class Agents(Launcher):
+        def start(self, args: list[str], env: dict[str, str] | None = None) -> LoggedProcess:
+            return super().start([*RDZV_RUN, *args], env)
 
-        def start(self, args: list[str], env: dict[str, str] | None = None) -> Agent:
-            agent = Agent(args, str(tmp_path / f"agent{len(self.started)}.log"), env)
-            self.started.append(agent)
-            return agent
-
-    group = Agents()
+    group = Agents(tmp_path, "agent")
     yield group
-    for agent in group.started:
-        agent.kill()
+    group.kill_all()
     survivors = []
     for record in worker_records(str(tmp_path / "out")) if (tmp_path / "out").exists() else []:
         deadline = time.monotonic() + 60.0
@@ -71,6 +66,14 @@ def rdzv(request: Any, tmp_path: Any) -> Any:
 
         def worker(self, *extra: str) -> list[str]:
             return [WORKER, str(self.out), *extra]
+
+        def until_stopped(self, nnodes: str, nproc: int) -> list[str]:
+            """The flags and workers of a job whose workers run until :meth:`stop` is called."""
+            return self.args(nnodes, nproc) + self.worker("--until", self.stop_file)
+
+        def stop(self) -> None:
+            """Let the workers of :meth:`until_stopped` finish."""
+            open(self.stop_file, "w").close()
 
         def running(self, world_size: int) -> list[dict[str, Any]]:
             """The records of a complete group of ``world_size`` workers (waits for them)."""

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from _agents import JOIN, WORKER, free_port, pid_alive, wait_for, worker_records
+from _agents import JOIN, WORKER, pid_alive, wait_for, worker_records
+from _launcher import free_port
 
 pytestmark = pytest.mark.timeout(900)  # real processes: slow on a loaded machine
 
@@ -62,7 +63,7 @@ def test_a_crashing_worker_is_restarted_then_the_run_fails_with_a_summary(
 
 
 def test_a_third_agent_joining_mid_run_grows_the_group_to_six(agents: Any, rdzv: Any) -> None:
-    args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
+    args = rdzv.until_stopped("2:3", 2)
     nodes = rdzv.start(agents, 2, args)
     rdzv.running(4)
     nodes.append(agents.start(args))
@@ -70,7 +71,7 @@ def test_a_third_agent_joining_mid_run_grows_the_group_to_six(agents: Any, rdzv:
     assert sorted(int(r["RANK"]) for r in records) == list(range(6))
     assert {r["GROUP_WORLD_SIZE"] for r in records} == {"3"}
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"0"}  # not a failure
-    open(rdzv.stop_file, "w").close()
+    rdzv.stop()
     assert [node.wait() for node in nodes] == [0, 0, 0]
     assert "waiting to join: re-forming the group" in nodes[0].output()
 
@@ -78,8 +79,7 @@ def test_a_third_agent_joining_mid_run_grows_the_group_to_six(agents: Any, rdzv:
 def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
     agents: Any, rdzv: Any
 ) -> None:
-    args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
-    nodes = rdzv.start(agents, 3, args)
+    nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 2))
     records = rdzv.running(6)
     victim = nodes[2]
     victim_rank = victim.output().split("this node is group rank ")[1].split()[0]
@@ -90,7 +90,7 @@ def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
     assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2, 3]
     wait_for(lambda: not any(pid_alive(pid) for pid in victim_workers), JOIN,
              "the killed agent's workers to die")
-    open(rdzv.stop_file, "w").close()
+    rdzv.stop()
     survivors = [n for n in nodes if n is not victim]
     assert [node.wait() for node in survivors] == [0, 0]
 
@@ -98,15 +98,14 @@ def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
 def test_sigterm_makes_an_agent_leave_cleanly_and_the_others_reform(
     agents: Any, rdzv: Any
 ) -> None:
-    args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
-    nodes = rdzv.start(agents, 3, args)
+    nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 2))
     rdzv.running(6)
     leaving = nodes[1]
     leaving.signal(signal.SIGTERM)
     assert leaving.wait() == 128 + signal.SIGTERM
     assert "SIGTERM received: stopping the workers" in leaving.output()
     rdzv.running(4)
-    open(rdzv.stop_file, "w").close()
+    rdzv.stop()
     assert [nodes[0].wait(), nodes[2].wait()] == [0, 0]
 
 

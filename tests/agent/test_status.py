@@ -12,16 +12,12 @@ from typing import Any
 
 import pytest
 
-from _agents import JOIN, wait_for
+from _agents import JOIN, rdzv_cli, wait_for
+from _launcher import EXAMPLES
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "print_rank.py")
+EXAMPLE = str(EXAMPLES / "print_rank.py")
 
 pytestmark = pytest.mark.timeout(900)  # real processes: slow on a loaded machine
-
-
-def rdzv_cli(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rdzv", *argv], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def status(rdzv: Any, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -36,7 +32,7 @@ def status_json(rdzv: Any) -> dict[str, Any]:
 
 
 def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> None:
-    args = rdzv.args("2:3", 2) + rdzv.worker("--until", rdzv.stop_file)
+    args = rdzv.until_stopped("2:3", 2)
     first = rdzv.start(agents, 1, args)[0]
     forming = wait_for(lambda: (s := status_json(rdzv))["waiting"] == 1 and s, JOIN,
                        "the first node to join round 0")
@@ -66,7 +62,7 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
     assert reformed["round"] > complete["round"]
     assert {m["pid"] for m in reformed["members"]} == {nodes[0].pid, nodes[1].pid}
 
-    open(rdzv.stop_file, "w").close()
+    rdzv.stop()
     assert [nodes[0].wait(), nodes[1].wait()] == [0, 0]
     assert status_json(rdzv)["closed"] if rdzv.backend == "file" else True
     if rdzv.backend == "file":  # the tcp store went away with the node that served it
@@ -74,7 +70,7 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
 
 
 def test_status_watch_prints_again_on_changes(agents: Any, rdzv: Any) -> None:
-    args = rdzv.args("2", 1) + rdzv.worker("--until", rdzv.stop_file)
+    args = rdzv.until_stopped("2", 1)
     rdzv.start(agents, 1, args)
     wait_for(lambda: status_json(rdzv)["waiting"] == 1, JOIN, "the first node")
     watch = subprocess.Popen(
@@ -93,7 +89,7 @@ def test_status_watch_prints_again_on_changes(agents: Any, rdzv: Any) -> None:
     finally:
         watch.kill()
         watch.wait(10)
-    open(rdzv.stop_file, "w").close()
+    rdzv.stop()
 
 
 def test_status_errors_are_clear() -> None:

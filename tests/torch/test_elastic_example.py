@@ -10,12 +10,13 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-from _torch_procs import PYTHON, REPO, free_port, wait_for
+from _launcher import EXAMPLES, RDZV_RUN, Launcher, free_port
+from _waiting import eventually as wait_for
 
-EXAMPLE = str(REPO / "examples" / "elastic_train.py")
+EXAMPLE = str(EXAMPLES / "elastic_train.py")
 STEPS = 400
 PHASE_TIMEOUT = 180.0
 """Seconds for one membership change (stop, re-form, restart 6 torch workers) on 2 loaded cores."""
@@ -28,10 +29,10 @@ def progress(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(900)
-def test_training_goes_on_through_a_join_and_a_kill(procs: Callable[..., Any], tmp_path: Path) -> None:
+def test_training_goes_on_through_a_join_and_a_kill(launcher: Launcher, tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
     agent_args = [
-        PYTHON, "-m", "rdzv.run", "--nnodes", "2:3", "--nproc-per-node", "2",
+        *RDZV_RUN, "--nnodes", "2:3", "--nproc-per-node", "2",
         "--rdzv-backend", "tcp", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "job",
         "--rdzv-conf", "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3",
         "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5",
@@ -39,16 +40,16 @@ def test_training_goes_on_through_a_join_and_a_kill(procs: Callable[..., Any], t
         EXAMPLE, "--steps", str(STEPS), "--checkpoint", str(tmp_path / "model.ckpt"),
         "--progress", str(log), "--log-every", "5", "--save-every", "10", "--step-sleep", "0.05",
     ]
-    first = procs(agent_args)
+    first = launcher.start(agent_args)
     wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    second = procs(agent_args)
+    second = launcher.start(agent_args)
 
     def reached(world_size: int, steps: int, after: int = 0) -> bool:
         seen = [e for e in progress(log)[after:] if e["world_size"] == world_size]
         return len(seen) * 5 >= steps
 
     wait_for(lambda: reached(4, 20), PHASE_TIMEOUT, "20 steps at world size 4")
-    third = procs(agent_args)
+    third = launcher.start(agent_args)
     wait_for(lambda: reached(6, 10), PHASE_TIMEOUT, "10 steps at world size 6 after a join")
     before_kill = len(progress(log))
     os.killpg(third.pid, signal.SIGKILL)

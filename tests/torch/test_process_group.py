@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import pytest
-from _torch_procs import HERE, PYTHON
+from _launcher import PYTHON, Launcher
 
 import rdzv.torch
 from rdzv.errors import RendezvousParameterError
 from rdzv.server import StoreServer
 from rdzv.store import HashStore
 
-WORKER = str(HERE / "_allreduce.py")
+WORKER = str(Path(__file__).with_name("_allreduce.py"))
 GROUP_TIMEOUT = 240.0
 """Seconds for 8 workers to import torch, form the group and all-reduce on a loaded 2-core machine."""
 
@@ -27,13 +27,13 @@ def server() -> Iterator[StoreServer]:
 
 
 def test_gloo_group_of_eight_processes_starts_through_the_adapter(
-    server: StoreServer, procs: Callable[..., Any], tmp_path: Path
+    server: StoreServer, launcher: Launcher, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
     size = 8
     workers = [
-        procs([PYTHON, WORKER, str(out), "--store", f"127.0.0.1:{server.port}"],
+        launcher.start([PYTHON, WORKER, str(out), "--store", f"127.0.0.1:{server.port}"],
               env={"RANK": str(rank), "WORLD_SIZE": str(size), "OMP_NUM_THREADS": "1"})
         for rank in range(size)
     ]

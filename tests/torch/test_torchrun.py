@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
-from _torch_procs import HERE, PYTHON, free_port
+from _launcher import EXAMPLES, PYTHON, Launcher, free_port
 
 from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous import registry as torch_registry
@@ -17,7 +16,7 @@ import rdzv.torch
 from rdzv.errors import RendezvousParameterError
 from rdzv.torch import TorchRendezvousHandler, TorchStore
 
-WORKER = str(HERE / "_allreduce.py")
+WORKER = str(Path(__file__).with_name("_allreduce.py"))
 RUN_TIMEOUT = 240.0
 """Seconds for a whole torchrun job of 4 workers on a loaded 2-core machine."""
 
@@ -33,12 +32,12 @@ def torchrun(backend: str, endpoint: str, out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("backend", ["rdzv-tcp", "rdzv-file"])
 def test_two_torchrun_agents_of_two_workers_all_reduce(
-    backend: str, procs: Callable[..., Any], tmp_path: Path
+    backend: str, launcher: Launcher, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}" if backend == "rdzv-tcp" else str(tmp_path / "rdzv")
-    agents = [procs(torchrun(backend, endpoint, out)) for _ in range(2)]
+    agents = [launcher.start(torchrun(backend, endpoint, out)) for _ in range(2)]
     codes = [agent.wait(RUN_TIMEOUT) for agent in agents]
     assert codes == [0, 0], "\n".join(agent.output()[-4000:] for agent in agents)
     records = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
@@ -106,13 +105,13 @@ def test_timeouts_map_to_torch_errors(tmp_path: Path) -> None:
 
 
 def test_example_trains_under_torchrun_and_resumes_from_its_checkpoint(
-    procs: Callable[..., Any], tmp_path: Path
+    launcher: Launcher, tmp_path: Path
 ) -> None:
-    example = str(HERE.parent.parent / "examples" / "elastic_train.py")
+    example = str(EXAMPLES / "elastic_train.py")
     checkpoint = str(tmp_path / "model.ckpt")
 
     def run(steps: int) -> str:
-        agent = procs([
+        agent = launcher.start([
             PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--rdzv-backend", "rdzv-tcp", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
             "--rdzv-id", "train", "--local-addr", "127.0.0.1", "--max-restarts", "0",

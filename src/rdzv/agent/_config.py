@@ -9,7 +9,6 @@ then to its default. :func:`config_from_args` turns the parsed flags into a chec
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import shutil
 import sys
@@ -134,24 +133,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "executable with --no-python).")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
                         help="Arguments of the worker program.")
-
-
-def unknown_flag_hint(message: str, parser: argparse.ArgumentParser) -> str:
-    """For argparse's 'unrecognized arguments' error: the flags meant, if any look close."""
-    if "unrecognized arguments" not in message:
-        return ""
-    known = [flag for action in parser._actions for flag in action.option_strings]
-    hints = []
-    for token in message.split(":", 1)[1].split():
-        name = token.split("=")[0]
-        if not name.startswith("--"):
-            continue
-        same_start = [flag for flag in known if len(name) > 5 and flag.startswith(name[:-1])]
-        close = same_start or difflib.get_close_matches(name, known, 1, 0.6)
-        if close:
-            hints.append(f"{name} -> {close[0]}?")
-    text = f" (did you mean: {', '.join(hints)})" if hints else ""
-    return text + "; arguments of the training script go after TRAINING_SCRIPT"
 
 
 def _resolve(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:

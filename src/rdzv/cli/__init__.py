@@ -14,18 +14,19 @@ import sys
 from typing import Sequence
 
 from .._version import __version__
+from ._hints import HintingParser, parse_command_line
 
 SUBCOMMAND_MODULES = ("_serve", "_run", "_status")
 """Sub-command modules of this package, in the order ``rdzv --help`` lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HintingParser(
         prog="rdzv",
         description="Rendezvous for elastic distributed training.",
     )
     parser.add_argument("--version", action="version", version=f"rdzv {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")  # HintingParsers too
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
     return parser
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``rdzv`` command line; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2

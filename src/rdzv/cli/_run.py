@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+SCRIPT_ARGS_NOTE = "arguments of the training script go after TRAINING_SCRIPT"
+"""Said when ``rdzv run`` meets an unknown flag that looks like none of its own."""
+
 
 def register(subparsers: Any) -> None:
     """Add the ``run`` sub-command."""
@@ -17,6 +20,7 @@ def register(subparsers: Any) -> None:
                     "(RANK, WORLD_SIZE, MASTER_ADDR...), restart them on failure or when nodes "
                     "join or leave. Example: rdzv run --standalone --nproc-per-node 2 train.py",
         allow_abbrev=False,
+        unknown_note=SCRIPT_ARGS_NOTE,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_run_arguments(parser)

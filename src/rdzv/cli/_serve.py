@@ -115,10 +115,13 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m rdzv.server``: the same as ``rdzv serve``."""
-    parser = argparse.ArgumentParser(prog="python -m rdzv.server")
+    from ._hints import HintingParser, parse_command_line
+
+    parser = HintingParser(prog="python -m rdzv.server")
     sub = parser.add_subparsers(dest="command")
     register(sub)
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    sub.choices["serve"].prog = parser.prog  # its usage and errors: the command as typed
+    args = parse_command_line(parser, ["serve", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
