@@ -84,8 +84,13 @@ class RendezvousEtcdStore(EtcdStore):
         arrived_at, self._arrived_at = self._arrived_at, None
         if arrived_at is not None and _CONTROL_DIR.match(path):
             return arrived_at  # a joiner's first look at its round: its arrival is recent enough
-        answer = self.client.call("kv/range", {**self._range(path), "count_only": True})
-        return int(answer["header"]["revision"])
+        return super().revision(path)
+
+    def _revision_read(self, path: str) -> dict[str, Any]:
+        return {**self._range(path), "count_only": True}
+
+    def _revision_from(self, path: str, answer: dict[str, Any], current: int) -> int:
+        return current
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         if not _CONTROL_DIR.match(path):

@@ -28,6 +28,7 @@ from ..etcd._options import EtcdOptions
 from ._base import (
     DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
+    Reads,
     Store,
     StoreCapabilities,
     Timeout,
@@ -184,16 +185,51 @@ class EtcdStore(Store):
         may be later than the real last change (never earlier), which is still a correct
         ``since`` for :meth:`watch`.
         """
+        answer = self.client.call("kv/range", self._revision_read(path))
+        return self._revision_from(path, answer, int(answer["header"]["revision"]))
+
+    def _revision_read(self, path: str) -> dict[str, Any]:
+        """The range request whose answer :meth:`_revision_from` needs."""
         body = {**self._range(path), "limit": 1, "keys_only": True}
         if "range_end" in body:
             body.update(sort_order="DESCEND", sort_target="MOD")
-        answer = self.client.call("kv/range", body)
+        return body
+
+    def _revision_from(self, path: str, answer: dict[str, Any], current: int) -> int:
+        """``revision(path)`` from the answer to :meth:`_revision_read`, read at ``current``."""
         kvs = answer.get("kvs")
         newest = int(kvs[0]["mod_revision"]) if kvs else 0
-        current = int(answer["header"]["revision"])
         if newest >= current:
             return newest
         return max(newest, self._last_delete(path, newest, current))
+
+    def read_many(
+        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+    ) -> Reads:
+        """All reads in one etcd transaction, so they come from one revision (several
+        transactions, each consistent, past etcd's limit of operations per transaction)."""
+        asked: list[tuple[str, str, dict[str, Any]]] = (
+            [("value", k, {"key": b64(self.etcd_key(k))}) for k in keys]
+            + [("count", p, {**self._prefix_range(p), "count_only": True}) for p in counts]
+            + [("revision", p, self._revision_read(p)) for p in revisions]
+        )
+        reads = Reads({}, {}, {})
+        for start in range(0, len(asked), MAX_TXN_OPS):
+            chunk = asked[start : start + MAX_TXN_OPS]
+            answer = self.client.call(
+                "kv/txn", {"success": [{"request_range": op} for _, _, op in chunk]}
+            )
+            current = int(answer["header"]["revision"])
+            for (kind, name, _), response in zip(chunk, answer.get("responses", [])):
+                result = response["response_range"]
+                if kind == "value":
+                    kvs = result.get("kvs")
+                    reads.values[name] = unb64(kvs[0].get("value")) if kvs else None
+                elif kind == "count":
+                    reads.counts[name] = int(result.get("count", 0))
+                else:
+                    reads.revisions[name] = self._revision_from(name, result, current)
+        return reads
 
     def _last_delete(self, path: str, newest: int, current: int) -> int:
         """The revision of the last deletion under ``path`` up to ``current`` (0 if none)."""
