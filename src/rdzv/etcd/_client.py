@@ -9,7 +9,6 @@ streaming requests. etcd's errors become rdzv's typed store errors naming the en
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from ..errors import (
     StoreProtocolError,
     StoreValueError,
 )
+from ._http import HTTPConnection
 from ._options import EtcdOptions
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class EtcdClient:
         self._ssl = options.ssl_context()
         self._lock = threading.Lock()
         self._current = 0
-        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
+        self._idle: dict[str, list[HTTPConnection]] = {}
         self._token: str | None = None
         self._closed = False
         self._pid = os.getpid()
@@ -107,26 +107,17 @@ class EtcdClient:
         for conn in stale:
             conn.close()
 
-    def _connect(self, endpoint: str, timeout: float) -> http.client.HTTPConnection:
+    def _connect(self, endpoint: str, timeout: float) -> HTTPConnection:
         if self._closed:
             raise StoreConnectionError("the etcd client is closed")
-        if self._ssl is not None:
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                endpoint, timeout=timeout, context=self._ssl
-            )
-        else:
-            conn = http.client.HTTPConnection(endpoint, timeout=timeout)
         try:
-            conn.connect()
+            return HTTPConnection(endpoint, timeout, self._ssl)
         except ssl.SSLError as exc:
-            conn.close()
             raise StoreConnectionError(f"TLS with etcd at {endpoint} failed: {exc}") from exc
         except OSError as exc:
-            conn.close()
             raise _Transient(f"cannot connect: {exc}", sent=False) from exc
-        return conn
 
-    def _take(self, endpoint: str) -> http.client.HTTPConnection:
+    def _take(self, endpoint: str) -> HTTPConnection:
         with self._lock:
             if self._pid != os.getpid():  # forked: the pooled sockets belong to the parent
                 self._pid = os.getpid()
@@ -136,10 +127,10 @@ class EtcdClient:
                 return idle.pop()
         return self._connect(endpoint, self.options.request_timeout)
 
-    def _give(self, endpoint: str, conn: http.client.HTTPConnection) -> None:
+    def _give(self, endpoint: str, conn: HTTPConnection) -> None:
         with self._lock:
             idle = self._idle.setdefault(endpoint, [])
-            if not self._closed and len(idle) < _IDLE_PER_ENDPOINT:
+            if conn.reusable and not self._closed and len(idle) < _IDLE_PER_ENDPOINT:
                 idle.append(conn)
                 return
         conn.close()
@@ -182,7 +173,7 @@ class EtcdClient:
                 shown = "; ".join(f"{ep}: {why}" for ep, why in failures.items())
                 hint = ""
                 if self.options.protocol == "http" and (
-                    "Disconnected" in shown or "reset" in shown
+                    "closed the connection" in shown or "reset" in shown
                 ):
                     hint = " (if etcd serves https, set protocol=https)"
                 raise StoreConnectionError(
@@ -226,18 +217,16 @@ class EtcdClient:
     ) -> dict[str, Any]:
         conn = self._take(endpoint)
         try:
-            conn.request("POST", f"/v3/{path}", json.dumps(body), headers)
-            response = conn.getresponse()
-            raw = response.read()
+            status, raw = conn.post(f"/v3/{path}", json.dumps(body).encode(), headers)
         except ssl.SSLError as exc:
             conn.close()
             raise StoreConnectionError(f"TLS with etcd at {endpoint} failed: {exc}") from exc
-        except (OSError, http.client.HTTPException) as exc:
+        except OSError as exc:
             conn.close()
             raise _Transient(f"{type(exc).__name__}: {exc}", sent=True) from exc
         self._give(endpoint, conn)
-        answer = _decode(endpoint, path, response.status, raw)
-        if response.status != 200:
+        answer = _decode(endpoint, path, status, raw)
+        if status != 200:
             _raise_error(endpoint, path, answer)
         return answer
 
@@ -297,23 +286,20 @@ class EtcdClient:
             try:
                 # hasleader: a member cut off from the leader ends the watch instead of idling
                 headers = {**self._headers(endpoint), "Grpc-Metadata-hasleader": "true"}
-                conn.request("POST", "/v3/watch", json.dumps({"create_request": create}), headers)
-                response = conn.getresponse()
-                if response.status != 200:
-                    _raise_error(
-                        endpoint,
-                        "watch",
-                        _decode(endpoint, "watch", response.status, response.read()),
-                    )
+                body = json.dumps({"create_request": create}).encode()
+                status, head = conn.send("/v3/watch", body, headers)
+                if status != 200:
+                    raw = conn.read_body(head)
+                    _raise_error(endpoint, "watch", _decode(endpoint, "watch", status, raw))
+                conn.begin_stream(head)
                 ends = time.monotonic() + seconds
                 created = False
                 while True:
                     wait = self.options.request_timeout if not created else ends - time.monotonic()
                     if wait <= 0:
                         return []
-                    conn.sock.settimeout(wait)
                     try:
-                        line = response.readline()
+                        line = conn.next_line(wait)
                     except socket.timeout:
                         if created:
                             return []
@@ -351,7 +337,7 @@ class EtcdClient:
                 raise
             except ssl.SSLError as exc:
                 raise StoreConnectionError(f"TLS with etcd at {endpoint} failed: {exc}") from exc
-            except (OSError, http.client.HTTPException) as exc:
+            except OSError as exc:
                 raise _Transient(f"{type(exc).__name__}: {exc}", sent=True) from exc
         finally:
             conn.close()
