@@ -293,10 +293,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if step.action is Action.ARM:
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
-                if not self._try_seal(r):  # another node holds the sealer lock: wait for it
-                    since, woken = self._watch(keys.ctl(r), since, deadline - now), True
-                else:
-                    woken = True
+                if not self._try_seal(r):
+                    self._wait_for_sealer(r, deadline)
+                woken = True
             elif step.action is Action.COLLECT:
                 return self._collect(r, index, store.try_get(keys.rank(r, index)), previous)
             else:
@@ -325,25 +324,37 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return RoundView(False, False, alive, rejoined, expected, armed)
 
     def _try_seal(self, r: int) -> bool:
-        """Seal round r if this node gets the sealer lock (its death frees the lock).
+        """Seal round r if this node gets the sealer lock; False if another node holds it.
 
-        False if another node holds the lock.
+        The lock is released when done (sealed, already sealed, or too few joiners left), and
+        by the holder's death, which wakes the nodes waiting for it (:meth:`_wait_for_sealer`).
         """
         store, keys = self._store, self._keys
-        me = self._node_id.encode()
-        if store.compare_set(keys.sealer(r), b"", me, ephemeral=True) != me:
+        me, lock = self._node_id.encode(), keys.sealer(r)
+        if store.compare_set(lock, b"", me, ephemeral=True) != me:
             return False
-        if store.try_get(keys.status(r)) is not None:
-            return True
+        try:
+            if store.try_get(keys.status(r)) is None:
+                self._seal(r)
+        finally:
+            store.delete_key(lock)
+        if store.try_get(keys.closed) is not None:  # closed meanwhile: close the next round
+            store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
+        return True
+
+    def _seal(self, r: int) -> None:
+        """List round r's joiners and write each one's rank and the decision (lock held).
+
+        With fewer than min_nodes joiners left, writes nothing: the others re-evaluate."""
+        store, keys = self._store, self._keys
         nodes_dir = keys.nodes(r)
         joiners = {}
         for key, raw in store.list_keys(nodes_dir).items():
             suffix = key[len(nodes_dir):]
             joiners[decode_int(key, suffix.encode(), -1)] = decode_node(key, raw)
         ranks = plan_ranks(joiners, self._rules)
-        if ranks is None:  # joiners left meanwhile: let the others re-evaluate
-            store.delete_key(keys.sealer(r))
-            return True
+        if ranks is None:
+            return
         rank0 = joiners[next(i for i, rank in ranks.items() if rank == 0)]
         decision = Decision(len(ranks), rank0.host, rank0.port)
         names = [keys.rank(r, i) for i in ranks] + [keys.status(r), keys.sealed]
@@ -351,9 +362,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store.multi_set(names, values + [encode_decision(decision), str(r).encode()])
         logger.info("rendezvous %s round %d sealed by %s: world_size %d",
                     keys.run_id, r, self._node_id, decision.world_size)
-        if store.try_get(keys.closed) is not None:  # closed meanwhile: close the next round
-            store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
-        return True
+
+    def _wait_for_sealer(self, r: int, deadline: float) -> None:
+        """Wait until the node holding round r's sealer lock releases it (done, or dead).
+
+        The lock lives outside ``ctl/``: taking it wakes no one; only the nodes that also
+        tried to seal wait on it. The revision is read before the lock is seen held, so a
+        release in between is not missed."""
+        store, lock = self._store, self._keys.sealer(r)
+        since = store.revision(lock)
+        if store.try_get(lock) is not None:
+            self._watch(lock, since, deadline - time.monotonic())
 
     def _collect(
         self, r: int, index: int, raw: bytes | None, previous: Membership | None

@@ -13,13 +13,14 @@ key                            meaning
 ``round/<r>/rank/<i>``         joiner ``i``'s rank and the round's decision (sealer, one ``multi_set``)
 ``round/<r>/ctl/status``       the decision once sealed, or ``closed``; absent while forming
 ``round/<r>/ctl/armed``        written once when the round may complete and min_nodes are alive
-``round/<r>/ctl/sealer``       EPHEMERAL lock of the one node that lists the joiners and seals
+``round/<r>/sealer``           EPHEMERAL lock of the one node that lists the joiners and seals
 ``round/<r+1>/ctl/expect/<i>`` EPHEMERAL: joiner ``i`` of round r is alive (written on joining r)
 ``round/<r>/user/...``         the members' own keys (``RendezvousInfo.store``)
 =============================  ======================================================================
 
 A waiting node watches only ``round/<r>/ctl/``, which changes O(1) times per round plus once per
-departure of a previous member (never once per join), so a round costs each node O(1) wake-ups.
+departure of a previous member (never once per join, nor when a node takes the sealer lock), so a
+round costs each node O(1) wake-ups.
 The counts a node needs (alive joiners, rejoined members, alive previous members, nodes waiting)
 come from ``count_keys`` and cost O(1) each.
 
@@ -102,7 +103,7 @@ class RunKeys:
         return self.ctl(r) + "armed"
 
     def sealer(self, r: int) -> str:
-        return self.ctl(r) + "sealer"
+        return self.round(r) + "sealer"
 
     def expect_dir(self, r: int) -> str:
         return self.ctl(r) + "expect/"
