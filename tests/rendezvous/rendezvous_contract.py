@@ -25,6 +25,8 @@ import pytest
 from _nodes import NodeError
 from _waiting import eventually
 
+from rdzv.rendezvous._layout import RunKeys
+
 LONG = 60.0
 """A last-call or join timeout that a test must NOT wait for."""
 AT_ONCE = 30.0
@@ -127,6 +129,17 @@ class RendezvousContract:
         nodes[2].kill()
         eventually(lambda: nodes[0].call("waiting") == 2, AT_ONCE, "the dead node is dropped")
         check_round([p.result(AT_ONCE) for p in pending[:2]], 2)
+
+    def test_sealer_dying_with_its_lock_is_replaced_at_once(self, cluster):
+        holder = cluster.raw_store()  # a sealer that took the lock and died before sealing
+        holder.set(RunKeys("job").sealer(0), "dead-sealer", ephemeral=True)
+        nodes = [cluster.node(2, 2) for _ in range(2)]
+        pending = [n.request("next") for n in nodes]
+        eventually(lambda: nodes[0].call("waiting") == 2, AT_ONCE, "both joined")
+        time.sleep(0.5)
+        assert not any(p.done() for p in pending), "sealed while another node held the lock"
+        holder.close()  # its session ends: the lock goes, the waiting nodes seal
+        check_round([p.result(AT_ONCE) for p in pending], 2)
 
     def test_member_killed_after_completion_is_noticed_and_replaced(self, cluster):
         nodes = [cluster.node(2, 3, last_call_timeout=LONG) for _ in range(3)]

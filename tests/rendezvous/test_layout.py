@@ -65,3 +65,9 @@ def test_counters_and_run_ids():
     keys = RunKeys("job")
     assert keys.expect(1, 5) == "rdzv/job/round/1/ctl/expect/5"
     assert keys.status(0).startswith(keys.ctl(0))
+
+
+def test_taking_the_sealer_lock_wakes_no_waiting_node():
+    keys = RunKeys("job")
+    assert not keys.sealer(3).startswith(keys.ctl(3)), "waiting nodes watch ctl/"
+    assert keys.status(3).startswith(keys.ctl(3)) and keys.armed(3).startswith(keys.ctl(3))
