@@ -36,6 +36,9 @@ WATCH_CHUNK = 5.0
 
 Bounds how long a watcher can sit on a member that silently stopped answering."""
 
+MAX_TXN_OPS = 128
+"""etcd's default limit of operations in one transaction (``--max-txn-ops``)."""
+
 _IDLE_PER_ENDPOINT = 8
 # gRPC status codes that etcd returns through the gateway.
 _INVALID_ARGUMENT, _DEADLINE, _NOT_FOUND, _PERMISSION, _EXHAUSTED = 3, 4, 5, 7, 8

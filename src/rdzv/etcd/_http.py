@@ -67,7 +67,7 @@ class HTTPConnection:
             while True:
                 size = self._chunk_size()
                 if size == 0:
-                    self._read_line()  # the empty trailer
+                    self._skip_trailers()
                     break
                 answer += self._read_exact(size)
                 self._read_line()
@@ -123,6 +123,7 @@ class HTTPConnection:
             if self._chunk_left == 0:
                 size = self._chunk_size()
                 if size == 0:
+                    self._skip_trailers()
                     self._chunk_left = -1
                     continue
                 self._chunk_left = size
@@ -170,6 +171,13 @@ class HTTPConnection:
             return int(line, 16)
         except ValueError:
             raise HTTPProtocolError(f"{self.endpoint} sent a bad chunk size {line[:20]!r}") from None
+
+    def _skip_trailers(self) -> None:
+        """Read the trailer fields after a chunked body's last chunk, up to the empty line."""
+        for _ in range(_MAX_HEAD):
+            if not self._read_line():
+                return
+        raise HTTPProtocolError(f"{self.endpoint} sent endless trailers")
 
     def _read_line(self) -> bytes:
         while True:

@@ -17,11 +17,12 @@ import logging
 import os
 import re
 import time
-from typing import Any
+from typing import Any, cast
 
 from ..errors import RendezvousParameterError
 from ..etcd._client import EtcdCompactedError, b64, unb64
-from ..store._base import Timeout, to_seconds
+from ..etcd._writebehind import WriteBehindClient
+from ..store._base import Timeout, Value, to_bytes, to_seconds
 from ..store._etcd import EtcdStore
 from ._api import RendezvousParameters
 from ._engine import DynamicRendezvousHandler
@@ -39,6 +40,8 @@ _ARRIVAL_COUNTER = re.compile(_ROUND + "count$")
 """The engine's arrival counters (:meth:`RunKeys.count`: ``rdzv/<run>/round/<r>/count``)."""
 _CONTROL_DIR = re.compile(_ROUND + "ctl/$")
 """The directories the engine's joiners wait on (:meth:`RunKeys.ctl`)."""
+_JOINER_KEY = re.compile(_ROUND + "(nodes|back|ctl/expect)/[0-9]+$")
+"""A joiner's ephemeral keys (:meth:`RunKeys.node`, :meth:`RunKeys.back`, :meth:`RunKeys.expect`)."""
 _SEALER_LOCK = "sealer"
 """The lock key in a control directory (:meth:`RunKeys.sealer`)."""
 
@@ -58,6 +61,11 @@ class RendezvousEtcdStore(EtcdStore):
       reached before that read is at or after the last change the read can see, so the watch
       misses no change that follows it, and no node scans etcd's history for deletions (what
       the exact :meth:`EtcdStore.revision` does once per path).
+    * A joiner's ephemeral keys (its descriptor, its liveness for the next round, its "back"
+      mark) are held back and sent with its next request (:class:`WriteBehindClient`): that is
+      its first look at the round, one transaction that puts them and then reads the round
+      (it counts itself, as before). A node that dies in between had written nothing, as if it
+      died before its puts; an error of the puts (its lease expired) is raised by that request.
     * A watch of a round's ``ctl/`` directory does not wake on the sealer taking its lock:
       that put changes nothing any other joiner acts on (they would all re-read the round,
       try the lock and wait again), while the lock's release (the sealer died) and every
@@ -65,8 +73,18 @@ class RendezvousEtcdStore(EtcdStore):
       each several requests and a new watch, per round.
     """
 
+    client_type = WriteBehindClient
+
     _arrived_at: int | None = None
     """etcd's revision at this client's last arrival (until the next :meth:`revision`)."""
+
+    def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
+        if not (ephemeral and _JOINER_KEY.match(key)):
+            return super().set(key, value, ephemeral=ephemeral)
+        client = cast(WriteBehindClient, self.client)
+        if client.on_lease_lost is None:
+            client.on_lease_lost = lambda lease, why: self.session.lost(lease, why, reported=True)
+        client.hold(self._put(self.etcd_key(key), to_bytes(value), self._lease(True)))
 
     def add(self, key: str, amount: int) -> int:
         if amount != 1 or not _ARRIVAL_COUNTER.match(key):

@@ -12,10 +12,11 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, ClassVar, Sequence, Union
 
 from ..errors import SessionExpiredError, StoreAuthenticationError, StoreError, StoreValueError
 from ..etcd._client import (
+    MAX_TXN_OPS,
     EtcdAmbiguousError,
     EtcdClient,
     EtcdCompactedError,
@@ -43,9 +44,6 @@ from ._state import parse_counter
 
 logger = logging.getLogger(__name__)
 
-MAX_TXN_OPS = 128
-"""etcd's default limit of operations in one transaction (``--max-txn-ops``)."""
-
 _MAX_UPDATE_TRIES = 10_000
 _MAX_CACHED_PATHS = 1024
 
@@ -63,6 +61,8 @@ class EtcdStore(Store):
     """
 
     capabilities = StoreCapabilities(watch=True, ephemeral=True, listing=True, multi_process=True)
+    client_type: ClassVar[type[EtcdClient]] = EtcdClient
+    """The class of :attr:`client` (a backend may send its requests its own way)."""
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class EtcdStore(Store):
             raise TypeError(f"the key prefix must be str, not {type(prefix).__name__}")
         self.prefix = prefix
         self._head = prefix.encode()
-        self.client = EtcdClient(self.options)
+        self.client = self.client_type(self.options)
         """The etcd client (for backends that build their own transactions)."""
         self.session = EtcdLease(self.client, session_ttl)
         """This client's lease: what ephemeral keys are attached to."""
