@@ -1,8 +1,8 @@
 """The rdzv store server: the store served over TCP (``rdzv serve``, or embedded in a process).
 
 :class:`StoreServer` serves a store to :class:`rdzv.TCPStore` clients over the protocol in
-:mod:`rdzv.server.protocol` (specified in ``docs/protocol.md``). The server (and asyncio) is
-imported on first use, so that clients importing the protocol stay light.
+:mod:`rdzv.server.protocol` (specified in ``docs/protocol.md``). The server is imported on
+first use, so that clients importing the protocol stay light.
 """
 
 from __future__ import annotations

@@ -1,25 +1,26 @@
 """The server's state on the event loop: data, sessions and their expiry, committing.
 
 :class:`Core` owns the :class:`~rdzv.store._state.KVState`, the sessions (attached to
-connections, expired when not resumed after a restart) and the commit step that makes changes
-durable in the write-ahead log before any answer is sent; with the request handlers
-(:mod:`._dispatch`) and the waiters (:mod:`._waiters`) it is everything that runs on the loop.
+connections, expired when not resumed after a restart) and the commit step that runs at the end
+of every round of the loop: it makes the round's changes durable in the write-ahead log (one
+flush for all of them), then sends every connection's answers (one send each). With the request
+handlers (:mod:`._dispatch`) and the waiters (:mod:`._waiters`) it is everything that runs on
+the loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import socket
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..store._base import DEFAULT_SESSION_TTL
 from ..store._state import KVState
 from . import protocol as P
+from ._conn import Conn
 from ._dispatch import RequestHandlers
+from ._loop import EPOLLIN, EventLoop, Timer
 from ._waiters import Waiter
-
-if TYPE_CHECKING:
-    from ._conn import Conn
 
 log = logging.getLogger("rdzv.server")
 
@@ -35,7 +36,7 @@ class Session:
         self.conn: Conn | None = None
         self.last_rid = 0
         self.last_resp: bytes | None = b""
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Timer | None = None
 
 
 class Core(RequestHandlers):
@@ -43,7 +44,7 @@ class Core(RequestHandlers):
 
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
+        loop: EventLoop,
         state: KVState,
         wal: Any,
         secret: bytes | None,
@@ -55,20 +56,21 @@ class Core(RequestHandlers):
         self.secret = secret
         self.max_frame_size = max_frame_size
         self.out_high = max_frame_size + (1 << 20)
-        """Write buffer high-water mark of a connection (asyncio then pauses its reading)."""
+        """Answers pending to a connection beyond which its requests are no longer read."""
         self.out_limit = 2 * self.out_high
         """A connection whose unsent answers exceed this is dropped (it does not read them)."""
-        self.rview = memoryview(bytearray(1 << 18))  # every connection reads into this
+        self.rbuf = bytearray(1 << 18)  # every connection reads into this
+        self.rview = memoryview(self.rbuf)
         self.conns: set[Conn] = set()
         self.sessions: dict[int, Session] = {}
         self.waiters: dict[str, set[Waiter]] = {}
         self.dirty: list[Conn] = []
-        self.commit_scheduled = False
         self.stopping = False
         self.failed: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.handlers = self.handler_table()
         self.mutating = [op in P.MUTATING_OPS for op in range(256)]
+        loop.after_round = self.commit
         now = loop.time()
         for sid, ttl in list(state.session_ttls.items()):
             # Recovered from the log: each session gets a fresh window to be resumed.
@@ -77,10 +79,25 @@ class Core(RequestHandlers):
             window = ttl if ttl > 0 else DEFAULT_SESSION_TTL
             sess.timer = loop.call_at(now + window, self._expire_detached, sess)
 
+    # -- connections ------------------------------------------------------------------------------
+    def accept(self, sock: socket.socket, peer: str) -> None:
+        """Serve the new connection ``sock``."""
+        if self.stopping or self.failed is not None:
+            sock.close()
+            return
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # pragma: no cover - not TCP (a Unix socket handed over)
+            pass
+        conn = Conn(self, sock, peer)
+        self.conns.add(conn)
+        self.loop.register(conn.fd, EPOLLIN, conn)
+
     # -- committing: log first, then answer ------------------------------------------------
     def commit(self) -> None:
-        """Make the pending effects durable, then send every pending response."""
-        self.commit_scheduled = False
+        """Make the pending effects durable, then send every pending response (the end of
+        every round of the loop)."""
         wal = self.wal
         logged = False
         if wal is not None:
@@ -105,14 +122,6 @@ class Core(RequestHandlers):
             except Exception:  # a failed snapshot leaves the log intact
                 log.exception("writing a snapshot of the store failed; the log is kept")
 
-    def request_commit(self) -> None:
-        """Commit now (in memory), or at the end of this loop iteration (group commit to the log)."""
-        if self.wal is None:
-            self.commit()
-        elif not self.commit_scheduled:
-            self.commit_scheduled = True
-            self.loop.call_soon(self.commit)
-
     def fatal(self, exc: BaseException) -> None:
         """The write-ahead log failed: acknowledge nothing more, drop every client, stop."""
         if self.failed is not None:
@@ -121,8 +130,7 @@ class Core(RequestHandlers):
         log.critical("the write-ahead log failed (%s); stopping the store server", exc)
         self.dirty = []
         for conn in list(self.conns):
-            conn.out = []
-            conn.transport.abort()
+            conn.lost(None)
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
@@ -163,4 +171,3 @@ class Core(RequestHandlers):
         if sess.conn is None and sess.id in self.sessions:
             log.info("session %d was not resumed after the restart; it expires", sess.id)
             self.end_session(sess)
-            self.request_commit()

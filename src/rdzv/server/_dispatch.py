@@ -21,6 +21,9 @@ _DEC = P.DECODERS
 _dec_set = _DEC[P.OP_SET]
 _dec_get = _DEC[P.OP_GET]
 _ok = P.ok
+_RESP_pack = P.RESP_HEAD.pack
+_HEAD_SIZE = P.HEAD_SIZE
+_OK = P.STATUS_OK
 
 Handler = Callable[["Conn", int, bytes, int, int], "bytes | None"]
 
@@ -72,7 +75,9 @@ class RequestHandlers(Waiters):
         key, blocking, wait_ms = _dec_get(buf, pos, end)
         value = self.state.get(key)
         if value is not None:
-            return _ok(rid, value) if blocking else _ok(rid, P.FOUND + value)
+            if blocking:
+                return _RESP_pack(_HEAD_SIZE + len(value), _OK, rid) + value
+            return _ok(rid, P.FOUND + value)
         if not blocking:
             return P.ok(rid, P.NOT_FOUND)
         if wait_ms == 0:

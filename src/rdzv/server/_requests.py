@@ -53,6 +53,10 @@ from ._wire import (
 
 
 # -- requests: encoders (client side) -----------------------------------------------------
+_SET_pack = _SET.pack
+_GET_pack = _GET.pack
+
+
 def encode_ping(rid: int) -> bytes:
     return REQ_HEAD.pack(HEAD_SIZE, OP_PING, rid)
 
@@ -61,11 +65,13 @@ def encode_set(
     rid: int, key: bytes, value: bytes, ephemeral: bool = False, quiet: bool = False
 ) -> bytes:
     flags = (FLAG_EPHEMERAL if ephemeral else 0) | (FLAG_QUIET if quiet else 0)
-    return _SET.pack(10 + len(key) + len(value), OP_SET, rid, flags, len(key)) + key + value
+    klen = len(key)
+    return _SET_pack(10 + klen + len(value), OP_SET, rid, flags, klen) + key + value
 
 
 def encode_get(rid: int, key: bytes, blocking: bool, wait: int = 0) -> bytes:
-    return _GET.pack(14 + len(key), OP_GET, rid, blocking, wait, len(key)) + key
+    klen = len(key)
+    return _GET_pack(14 + klen, OP_GET, rid, blocking, wait, klen) + key
 
 
 def encode_add(rid: int, key: bytes, amount: int) -> bytes:
@@ -171,22 +177,25 @@ def _dec_empty(buf: bytes, pos: int, end: int) -> tuple:
 
 
 def _dec_set(buf: bytes, pos: int, end: int) -> tuple[str, bytes, bool]:
-    _need(pos + 5, end, "set header")
-    flags, klen = _SET_ARGS.unpack_from(buf, pos)
+    # The hot path: bounds checked inline rather than by _need().
+    if pos + 5 > end:
+        _need(pos + 5, end, "set header")
+    flags, klen = _SET_ARGS_unpack_from(buf, pos)
     kend = pos + 5 + klen
-    _need(kend, end, "key")
-    if klen == 0:
+    if kend > end or not klen:
+        _need(kend, end, "key")
         raise ProtocolError("empty key", E_VALUE)
     return buf[pos + 5 : kend].decode(), buf[kend:end], bool(flags & FLAG_EPHEMERAL)
 
 
 def _dec_get(buf: bytes, pos: int, end: int) -> tuple[str, bool, int]:
-    _need(pos + 9, end, "get header")
-    flags, wait, klen = _GET_ARGS.unpack_from(buf, pos)
+    if pos + 9 > end:
+        _need(pos + 9, end, "get header")
+    flags, wait, klen = _GET_ARGS_unpack_from(buf, pos)
     kend = pos + 9 + klen
     if kend != end:
         raise ProtocolError("key length does not match the frame")
-    if klen == 0:
+    if not klen:
         raise ProtocolError("empty key", E_VALUE)
     return buf[pos + 9 : kend].decode(), bool(flags & FLAG_BLOCKING), wait
 
@@ -266,7 +275,9 @@ def _dec_watch(buf: bytes, pos: int, end: int) -> tuple[str, int, int]:
 
 
 _SET_ARGS = struct.Struct("<BI")
+_SET_ARGS_unpack_from = _SET_ARGS.unpack_from
 _GET_ARGS = struct.Struct("<BII")
+_GET_ARGS_unpack_from = _GET_ARGS.unpack_from
 _ADD_ARGS = struct.Struct("<qI")
 _CAS_ARGS = struct.Struct("<BII")
 _WATCH_ARGS = struct.Struct("<QI")

@@ -1,4 +1,4 @@
-"""StoreServer: the store served over TCP by an asyncio event loop (Protocol/Transport API).
+"""StoreServer: the store served over TCP by the server's own epoll event loop (:mod:`._loop`).
 
 One thread runs the loop; the data lives in a :class:`~rdzv.store._state.KVState`. Every request
 is answered from memory without blocking the loop. Blocking reads (get, wait, multi_get) and
@@ -13,7 +13,7 @@ response that depends on it is sent.
 
 from __future__ import annotations
 
-import asyncio
+import errno
 import logging
 import os
 import signal
@@ -25,11 +25,13 @@ from ..errors import StoreError
 from ..store._state import KVState
 from . import _auth
 from . import protocol as P
-from ._conn import Conn
 from ._core import Core
+from ._loop import EPOLLIN, EventLoop
 
 log = logging.getLogger("rdzv.server")
 LISTEN_BACKLOG = 4096
+_ACCEPTS_PER_EVENT = 64
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def raise_nofile_limit() -> int:
@@ -70,6 +72,45 @@ def _listen_socket(host: str | None, port: int) -> socket.socket:
     return sock
 
 
+class _Listener:
+    """The listening socket on the loop: accepts connections and hands them to the core."""
+
+    def __init__(self, core: Core, sock: socket.socket) -> None:
+        self.core = core
+        self.sock = sock
+        sock.setblocking(False)
+        sock.listen(LISTEN_BACKLOG)
+        core.loop.register(sock.fileno(), EPOLLIN, self)
+
+    def on_event(self, events: int) -> None:
+        for _ in range(_ACCEPTS_PER_EVENT):
+            try:
+                sock, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _OUT_OF_RESOURCES:
+                    log.error(
+                        "cannot accept connections (%s); pausing for a second (raise the "
+                        "open files limit, ulimit -n, for more clients)", exc.strerror
+                    )
+                    self.core.loop.unregister(self.sock.fileno())
+                    self.core.loop.call_later(1.0, self._resume)
+                else:
+                    log.warning("accepting a connection failed: %s", exc)
+                return
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            self.core.accept(sock, peer)
+
+    def _resume(self) -> None:
+        if not self.core.stopping and self.sock.fileno() >= 0:
+            self.core.loop.register(self.sock.fileno(), EPOLLIN, self)
+
+    def close(self) -> None:
+        self.core.loop.unregister(self.sock.fileno())
+        self.sock.close()
+
+
 class StoreServer:
     """The rdzv store served over TCP.
 
@@ -102,8 +143,8 @@ class StoreServer:
         self._fsync = fsync
         self._max_frame_size = max_frame_size
         self._sock = sock
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._loop: EventLoop | None = None
+        self._listener: _Listener | None = None
         self._core: Core | None = None
         self._wal: Any = None
         self._thread: threading.Thread | None = None
@@ -134,51 +175,25 @@ class StoreServer:
 
     def start(self) -> "StoreServer":
         """Serve from a background thread; returns once the server is listening."""
-        with self._lock:
-            if self._started:
-                raise StoreError("the store server was already started")
-            self._started = True
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            try:
-                loop.run_until_complete(self._open(loop))
-            except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
-                errors.append(exc)
-                self._cleanup(loop)
-                ready.set()
-                return
-            ready.set()
-            try:
-                loop.run_forever()
-            finally:
-                self._cleanup(loop)
-
-        self._thread = threading.Thread(target=run, name="rdzv-store-server", daemon=True)
+        self._claim()
+        self._open()
+        self._thread = threading.Thread(target=self._run, name="rdzv-store-server", daemon=True)
         self._thread.start()
-        ready.wait()
-        if errors:
-            self._thread.join()
-            raise errors[0]
         return self
 
     def serve_forever(self) -> None:
         """Serve in this thread until SIGINT/SIGTERM (when in the main thread) or stop()."""
-        with self._lock:
-            if self._started:
-                raise StoreError("the store server was already started")
-            self._started = True
-        loop = asyncio.new_event_loop()
+        self._claim()
+        self._open()
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
         try:
-            loop.run_until_complete(self._open(loop))
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, self._on_signal, sig)
-            loop.run_forever()
+            self._run()
         finally:
-            self._cleanup(loop)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if self._core is not None and self._core.failed is not None:
             raise StoreError(f"the store server stopped: {self._core.failed}") from self._core.failed
 
@@ -188,10 +203,7 @@ class StoreServer:
         if loop is None:
             return
         if not self._stopped.is_set():
-            try:
-                loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:  # the loop is already closed
-                pass
+            loop.stop()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -209,28 +221,38 @@ class StoreServer:
         return f"StoreServer({where})"
 
     # -- internals --------------------------------------------------------------------------------
-    def _on_signal(self, sig: int) -> None:
+    def _claim(self) -> None:
+        with self._lock:
+            if self._started:
+                raise StoreError("the store server was already started")
+            self._started = True
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
         log.info("received %s; stopping the store server", signal.Signals(sig).name)
         assert self._loop is not None
         self._loop.stop()
 
-    async def _open(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def _open(self) -> None:
+        """Recover the data, listen, and set up the loop (in the calling thread)."""
         raise_nofile_limit()
-        state = KVState()
-        if self._data_dir is not None:
-            from ._wal import WriteAheadLog
+        loop = EventLoop()
+        try:
+            state = KVState()
+            if self._data_dir is not None:
+                from ._wal import WriteAheadLog
 
-            self._wal = WriteAheadLog(self._data_dir, fsync=self._fsync)
-            state = self._wal.recover()
-            state.effects = []
-        sock = self._sock if self._sock is not None else _listen_socket(self.host, self._port)
-        core = Core(loop, state, self._wal, self._secret, self._max_frame_size)
-        core.on_fatal = lambda exc: loop.stop()
-        self._core = core
-        self._server = await loop.create_server(
-            lambda: Conn(core), sock=sock, backlog=LISTEN_BACKLOG
-        )
+                self._wal = WriteAheadLog(self._data_dir, fsync=self._fsync)
+                state = self._wal.recover()
+                state.effects = []
+            sock = self._sock if self._sock is not None else _listen_socket(self.host, self._port)
+            core = Core(loop, state, self._wal, self._secret, self._max_frame_size)
+            core.on_fatal = lambda exc: loop.stop()
+            self._core = core
+            self._listener = _Listener(core, sock)
+        except BaseException:
+            self._cleanup(loop)
+            raise
+        self._loop = loop
         name = sock.getsockname()
         self._address = (name[0], name[1])
         log.info(
@@ -245,24 +267,25 @@ class StoreServer:
         if state.session_ttls:
             log.info("recovered %d session(s); awaiting their clients", len(state.session_ttls))
 
-    def _cleanup(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _run(self) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.run()
+        finally:
+            self._cleanup(self._loop)
+
+    def _cleanup(self, loop: EventLoop) -> None:
         core = self._core
         try:
             if core is not None:
                 core.stopping = True
-                if core.failed is None and core.wal is not None:
-                    core.commit()  # flush whatever was logged but not yet acknowledged
-            if self._server is not None:
-                self._server.close()
+                if core.failed is None:
+                    core.commit()  # log and send whatever is pending
+            if self._listener is not None:
+                self._listener.close()
             if core is not None:
                 for conn in list(core.conns):
-                    conn.transport.abort()
-                for sess in core.sessions.values():
-                    if sess.timer is not None:
-                        sess.timer.cancel()
-            loop.run_until_complete(asyncio.sleep(0))
-            if self._server is not None:
-                loop.run_until_complete(self._server.wait_closed())
+                    conn.lost(None)
         except Exception:  # pragma: no cover - best effort on the way out
             log.exception("error while stopping the store server")
         finally:
@@ -274,5 +297,3 @@ class StoreServer:
                 self._wal = None
             loop.close()
             self._stopped.set()
-
-

@@ -8,7 +8,6 @@ and answered the moment a write touches one of them and satisfies it, or when it
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from ..store._base import dir_paths
@@ -17,6 +16,7 @@ from . import protocol as P
 
 if TYPE_CHECKING:
     from ._conn import Conn
+    from ._loop import EventLoop, Timer
 
 
 class Waiter:
@@ -30,19 +30,16 @@ class Waiter:
         self.op = op
         self.keys = keys  # the keys awaited, or [path] for a watch
         self.since = since
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Timer | None = None
         self.done = False
 
 
 class Waiters:
     """The waiter registry of :class:`~rdzv.server._core.Core`: path -> waiters on it."""
 
-    loop: asyncio.AbstractEventLoop
+    loop: EventLoop
     state: KVState
     waiters: dict[str, set[Waiter]]
-
-    def request_commit(self) -> None:  # pragma: no cover - provided by Core
-        raise NotImplementedError
 
     def add_waiter(self, w: Waiter, wait_ms: int) -> None:
         reg = self.waiters
@@ -113,4 +110,3 @@ class Waiters:
             state = self.state
             resp = P.timeout(w.rid, [k for k in w.keys if not state.contains(k)])
         w.conn.queue(resp)
-        self.request_commit()

@@ -118,10 +118,12 @@ class StoreConnection:
         if self._pending_error is not None:
             exc, self._pending_error = self._pending_error, None
             raise exc
-        self._check_frame_size(frame)
+        size = len(frame)
+        if size > self._max_frame + 4:
+            self._check_frame_size(frame)
         unacked = self._unacked
         unacked.append((rid, frame, what, key))
-        self._unacked_bytes += len(frame)
+        self._unacked_bytes += size
         sock = self._sock
         if sock is not None:
             try:
