@@ -78,7 +78,7 @@ class LoggedProcess:
 
 
 class Launcher:
-    """Starts :class:`LoggedProcess` es with numbered logs in one directory; kills them all at the end."""
+    """Starts processes with numbered logs in one directory, and kills them all at the end."""
 
     def __init__(self, log_dir: Path, name: str = "proc") -> None:
         self.log_dir = log_dir

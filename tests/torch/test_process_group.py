@@ -34,7 +34,7 @@ def test_gloo_group_of_eight_processes_starts_through_the_adapter(
     size = 8
     workers = [
         launcher.start([PYTHON, WORKER, str(out), "--store", f"127.0.0.1:{server.port}"],
-              env={"RANK": str(rank), "WORLD_SIZE": str(size), "OMP_NUM_THREADS": "1"})
+                       env={"RANK": str(rank), "WORLD_SIZE": str(size), "OMP_NUM_THREADS": "1"})
         for rank in range(size)
     ]
     codes = [worker.wait(GROUP_TIMEOUT) for worker in workers]
