@@ -97,6 +97,9 @@ def main() -> None:
     ddp = DistributedDataParallel(model)
     if rank == 0:
         print(f"starting at step {step} with world size {world_size} (restart {restart})", flush=True)
+        if step >= args.steps:
+            print(f"the checkpoint already has {step} steps: nothing to do (ask for more with "
+                  f"--steps {step + args.steps})", flush=True)
     global_loss = torch.tensor(float("nan"))
 
     while step < args.steps:
@@ -122,7 +125,7 @@ def main() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
+    if rank == 0 and not global_loss.isnan():
         print(f"done: {step} steps, final loss {global_loss.item():.5f}", flush=True)
 
 
