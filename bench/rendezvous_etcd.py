@@ -9,7 +9,12 @@ EtcdStore with its lease; torch: a python-etcd client); the threads are spread o
 ``--procs`` worker processes (default 4). Handlers are created first; then every node calls
 ``next_rendezvous()`` at one instant of CLOCK_MONOTONIC (shared by the processes of a machine),
 with min_nodes = max_nodes = N. A time is the latest return minus that instant; every round is
-checked (ranks 0..N-1, one world size). torch is measured up to 64 nodes.
+checked (ranks 0..N-1, one world size). torch is measured up to 64 nodes; a torch run that
+fails (its etcd-v2 backend times out under load now and then) is retried and counted.
+
+Beside the times: etcd's gRPC calls per node during rdzv's rounds (from etcd's ``/metrics``:
+every request of the JSON gateway, watch and lease keep-alive streams included) and the CPU
+seconds etcd used during each side's rounds.
 """
 
 from __future__ import annotations
@@ -17,18 +22,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 HOST = "127.0.0.1"
 HERE = os.path.abspath(__file__)
 REPLY_TIMEOUT = 600.0
 TORCH_MAX_NODES = 64
+TORCH_TRIES = 3
 
 
 # -- worker processes ---------------------------------------------------------------------------
@@ -111,18 +119,44 @@ def split(total: int, procs: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def barrier(impl: str, endpoint: str, n: int, procs: int) -> float:
-    """Seconds from the common start until the last of ``n`` nodes returned its round."""
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    """From the common start until the last node returned its round."""
+    calls: float
+    """etcd gRPC calls per node meanwhile."""
+    etcd_cpu: float
+    """CPU seconds etcd used meanwhile."""
+
+
+def etcd_calls(endpoint: str) -> int:
+    """Every gRPC call etcd has started so far (the JSON gateway's requests among them)."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=60).read().decode()
+    return sum(int(float(n)) for n in re.findall(r"^grpc_server_started_total\{.*\} (\S+)$",
+                                                  text, re.MULTILINE))  # fmt: skip
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def barrier(impl: str, endpoint: str, etcd_pid: int, n: int, procs: int) -> Run:
+    """One round of ``n`` nodes, all asked to join at the same instant."""
     run_id = f"{impl}-{n}-{uuid.uuid4().hex[:8]}"
     workers = [Worker({"impl": impl, "endpoint": endpoint, "run_id": run_id, "n": n,
                        "count": count}) for count in split(n, procs)]  # fmt: skip
     try:
         for worker in workers:
             worker.reply()
+        calls, cpu = etcd_calls(endpoint), cpu_seconds(etcd_pid)
         at = time.monotonic() + 0.5
         for worker in workers:
             worker.send({"at": at})
         results = [r for worker in workers for r in worker.reply()["results"]]
+        calls, cpu = etcd_calls(endpoint) - calls, cpu_seconds(etcd_pid) - cpu
     finally:
         for worker in workers:
             worker.close()
@@ -131,7 +165,19 @@ def barrier(impl: str, endpoint: str, n: int, procs: int) -> float:
         raise RuntimeError(f"{impl} N={n}: {len(errors)} node(s) failed, e.g. {errors[0]}")
     if sorted(r["rank"] for r in results) != list(range(n)) or {r["world"] for r in results} != {n}:
         raise RuntimeError(f"{impl} N={n}: inconsistent round {results}")
-    return max(r["end"] for r in results) - at
+    return Run(max(r["end"] for r in results) - at, calls / n, cpu)
+
+
+def torch_barrier(endpoint: str, etcd_pid: int, n: int, procs: int) -> tuple[Run, int]:
+    """A torch round, retried when one fails; the run and how many runs failed before it."""
+    for failed in range(TORCH_TRIES):
+        try:
+            return barrier("torch", endpoint, etcd_pid, n, procs), failed
+        except RuntimeError as exc:
+            print(f"  (torch N={n} failed: {str(exc)[:160]})", flush=True)
+            if failed == TORCH_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def have_torch_etcd() -> bool:
@@ -168,23 +214,32 @@ def main() -> None:
     from rdzv.etcd import LocalEtcd
 
     with LocalEtcd(binary=etcd_34_binary(), extra_args=["--enable-v2"]) as etcd:
-        print(f"etcd 3.4 at {etcd.endpoint}; {args.procs} worker processes; "
-              f"median of {args.repeat} run(s); min_nodes = max_nodes = N\n")
-        print(f"{'N':>6} | {'rdzv etcd':>10} | {'torch etcd-v2':>13} | {'speed-up':>8}")
-        print(f"{'-' * 6}-+-{'-' * 10}-+-{'-' * 13}-+-{'-' * 8}")
+        pid = etcd.pid(0)
+        assert pid is not None
+        print(f"etcd 3.4 at {etcd.endpoint} (--enable-v2, no other flag); {args.procs} worker "
+              f"processes; median of {args.repeat} run(s); min_nodes = max_nodes = N\n")
+        print(f"{'N':>6} | {'rdzv etcd':>10} | {'torch etcd-v2':>13} | {'speed-up':>8} | "
+              f"{'rdzv calls/node':>15} | {'etcd CPU rdzv':>13} | {'etcd CPU torch':>14}")
+        print("-|-".join("-" * w for w in (6, 10, 13, 8, 15, 13, 14)))
         for n in sizes:
             repeat = args.repeat if n <= 64 else 1
-            ours = statistics.median(
-                barrier("rdzv", etcd.endpoint, n, args.procs) for _ in range(repeat)
-            )
-            theirs = None
+            ours = median_run([barrier("rdzv", etcd.endpoint, pid, n, args.procs)
+                               for _ in range(repeat)])  # fmt: skip
+            theirs, failures = None, 0
             if torch_ok and n <= TORCH_MAX_NODES:
-                theirs = statistics.median(
-                    barrier("torch", etcd.endpoint, n, args.procs) for _ in range(repeat)
-                )
-            shown = f"{theirs:12.3f}s" if theirs is not None else f"{'-':>13}"
-            ratio = f"{theirs / ours:7.1f}x" if theirs is not None else f"{'-':>8}"
-            print(f"{n:>6} | {ours:9.3f}s | {shown} | {ratio}", flush=True)
+                runs = [torch_barrier(etcd.endpoint, pid, n, args.procs) for _ in range(repeat)]
+                theirs, failures = median_run([r for r, _ in runs]), sum(f for _, f in runs)
+            shown = f"{theirs.seconds:12.3f}s" if theirs else f"{'-':>13}"
+            ratio = f"{theirs.seconds / ours.seconds:7.1f}x" if theirs else f"{'-':>8}"
+            their_cpu = f"{theirs.etcd_cpu:13.2f}s" if theirs else f"{'-':>14}"
+            note = f"  ({failures} failed torch run(s) retried)" if failures else ""
+            print(f"{n:>6} | {ours.seconds:9.3f}s | {shown} | {ratio} | {ours.calls:15.1f} | "
+                  f"{ours.etcd_cpu:12.2f}s | {their_cpu}{note}", flush=True)
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The run of median time (with its own counts)."""
+    return sorted(runs, key=lambda run: run.seconds)[len(runs) // 2]
 
 
 if __name__ == "__main__":

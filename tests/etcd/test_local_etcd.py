@@ -15,12 +15,14 @@ def test_local_etcd_serves_and_cleans_up(etcd_binary: str) -> None:
         assert etcd.url == f"http://{etcd.endpoint}"
         assert etcd.healthy(0)
         process = etcd._members[0].process
+        assert process is not None and etcd.pid(0) == process.pid
         data_dir = etcd._members[0].data_dir
         assert os.path.isdir(data_dir)
         with EtcdStore(etcd.endpoint) as store:
             store.set("k", "v")
             assert store.get("k") == b"v"
     assert process.poll() is not None
+    assert etcd.pid(0) is None
     assert not os.path.exists(data_dir)
 
 

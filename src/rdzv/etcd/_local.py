@@ -340,6 +340,11 @@ class LocalEtcdCluster:
         member.start(cluster, "existing")
         _wait_healthy([member], self.startup_timeout if timeout is None else timeout)
 
+    def pid(self, index: int = 0) -> int | None:
+        """The process id of member ``index`` (None while it is not running)."""
+        process = self._member(index).process
+        return process.pid if process is not None and process.poll() is None else None
+
     def healthy(self, index: int) -> bool:
         """Whether member ``index`` is up and sees a leader."""
         member = self._member(index)

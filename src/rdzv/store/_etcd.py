@@ -354,10 +354,12 @@ class EtcdStore(Store):
         """Read-modify-write ``key`` as a transaction on its mod_revision, retried on conflict.
 
         ``change(current)`` returns ``(result, value to write or None)``. The new value keeps
-        the key's lease if ``keep_lease``, else gets ``lease``.
+        the key's lease if ``keep_lease``, else gets ``lease``. The first try assumes the key
+        is missing (when that would write) instead of reading it: a key written for the first
+        time costs one request, and a wrong guess answers with the key as a read would.
         """
         k = self.etcd_key(key)
-        kv = self._get_kv(k)
+        kv = None if change(None)[1] is not None else self._get_kv(k)
         deadline = time.monotonic() + self._timeout
         for _ in range(_MAX_UPDATE_TRIES):
             result, new = change(None if kv is None else unb64(kv.get("value")))
