@@ -234,10 +234,10 @@ class EtcdClient:
         return answer
 
     # -- watches ------------------------------------------------------------------------------
-    def watch(self, create: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-        """The events of the first watch response for ``create`` (a WatchCreateRequest), or []
-        if none came within ``timeout`` seconds. Raises EtcdCompactedError if its
-        ``start_revision`` was compacted."""
+    def watch(self, *creates: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+        """The events of the first watch response for any of ``creates`` (WatchCreateRequests,
+        all on one stream), or [] if none came within ``timeout`` seconds. Raises
+        EtcdCompactedError if a ``start_revision`` was compacted."""
         deadline = time.monotonic() + timeout
         failing_since: float | None = None
         while True:
@@ -246,7 +246,7 @@ class EtcdClient:
                 return []
             endpoint = self.endpoint
             try:
-                events = self._watch_stream(endpoint, create, min(remaining, WATCH_CHUNK))
+                events = self._watch_stream(endpoint, creates, min(remaining, WATCH_CHUNK))
                 failing_since = None
                 if events:
                     return events
@@ -271,7 +271,7 @@ class EtcdClient:
         everything = b64(b"\0")
         while start <= end:
             create = {"key": everything, "range_end": everything, "start_revision": start}
-            batch = self.watch(create, self.options.retry_timeout)
+            batch = self.watch(create, timeout=self.options.retry_timeout)
             if not batch:
                 raise StoreConnectionError(
                     f"etcd at {self.endpoint} sent no history from revision {start} "
@@ -282,14 +282,14 @@ class EtcdClient:
         return events
 
     def _watch_stream(
-        self, endpoint: str, create: dict[str, Any], seconds: float
+        self, endpoint: str, creates: tuple[dict[str, Any], ...], seconds: float
     ) -> list[dict[str, Any]]:
         conn = self._connect(endpoint, self.options.request_timeout)
         try:
             try:
                 # hasleader: a member cut off from the leader ends the watch instead of idling
                 headers = {**self._headers(endpoint), "Grpc-Metadata-hasleader": "true"}
-                body = json.dumps({"create_request": create}).encode()
+                body = "\n".join(json.dumps({"create_request": c}) for c in creates).encode()
                 status, head = conn.send("/v3/watch", body, headers)
                 if status != 200:
                     raw = conn.read_body(head)

@@ -40,11 +40,11 @@ class WriteBehindClient(EtcdClient):
                 return self._call_with_held(path, body, retry_ambiguous)
         return super().call(path, body, retry_ambiguous=retry_ambiguous)
 
-    def watch(self, create: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    def watch(self, *creates: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         with self._held_lock:
             if self._held:
                 self._send_held([])
-        return super().watch(create, timeout)
+        return super().watch(*creates, timeout=timeout)
 
     def _call_with_held(
         self, path: str, body: dict[str, Any], retry_ambiguous: bool

@@ -66,6 +66,10 @@ class RendezvousEtcdStore(EtcdStore):
       its first look at the round, one transaction that puts them and then reads the round
       (it counts itself, as before). A node that dies in between had written nothing, as if it
       died before its puts; an error of the puts (its lease expired) is raised by that request.
+    * A joiner's watch of its round's ``ctl/`` directory also watches its own rank key (one
+      stream, two watches): the sealer's write of the rank wakes it with the value, which the
+      engine's next read of that key gets without a request. A rank key is written once per
+      round, by the sealer, so the value seen is the one a read would return.
     * A watch of a round's ``ctl/`` directory does not wake on the sealer taking its lock:
       that put changes nothing any other joiner acts on (they would all re-read the round,
       try the lock and wait again), while the lock's release (the sealer died) and every
@@ -77,6 +81,10 @@ class RendezvousEtcdStore(EtcdStore):
 
     _arrived_at: int | None = None
     """etcd's revision at this client's last arrival (until the next :meth:`revision`)."""
+    _rank: str | None = None
+    """The rank key of this client's last arrival (:meth:`RunKeys.rank`)."""
+    _delivered: tuple[str, bytes] | None = None
+    """A rank key and its value, brought by a watch, for the next :meth:`try_get` of it."""
 
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
         if not (ephemeral and _JOINER_KEY.match(key)):
@@ -96,7 +104,9 @@ class RendezvousEtcdStore(EtcdStore):
             {"request_range": {"key": k, "keys_only": True}},
         ]})  # fmt: skip
         self._arrived_at = int(answer["header"]["revision"])
-        return int(answer["responses"][1]["response_range"]["kvs"][0]["version"])
+        count = int(answer["responses"][1]["response_range"]["kvs"][0]["version"])
+        self._rank = f"{key[: -len('count')]}rank/{count - 1}"
+        return count
 
     def revision(self, path: str = "") -> int:
         arrived_at, self._arrived_at = self._arrived_at, None
@@ -110,19 +120,28 @@ class RendezvousEtcdStore(EtcdStore):
     def _revision_from(self, path: str, answer: dict[str, Any], current: int) -> int:
         return current
 
+    def try_get(self, key: str) -> bytes | None:
+        delivered, self._delivered = self._delivered, None
+        if delivered is not None and delivered[0] == key:
+            return delivered[1]  # this joiner's rank, brought by the watch that woke it
+        return super().try_get(key)
+
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         if not _CONTROL_DIR.match(path):
             return super().watch(path, since, timeout)
         deadline = time.monotonic() + to_seconds(timeout, self._timeout)
         lock = self.etcd_key(path + _SEALER_LOCK)
+        rank = self._rank if self._rank and self._rank.startswith(path[: -len("ctl/")]) else None
         start = int(since) + 1
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return int(since)
-            create = {**self._range(path), "start_revision": start}
+            creates = [{**self._range(path), "start_revision": start}]
+            if rank is not None:
+                creates.append({"key": b64(self.etcd_key(rank)), "start_revision": int(since) + 1})
             try:
-                events = self.client.watch(create, remaining)
+                events = self.client.watch(*creates, timeout=remaining)
             except EtcdCompactedError:  # EtcdStore.watch reports it as a change
                 return super().watch(path, since, 0)
             if not events:
@@ -131,8 +150,17 @@ class RendezvousEtcdStore(EtcdStore):
                 e for e in events if e.get("type") == "DELETE" or unb64(e["kv"]["key"]) != lock
             ]
             if wake:
+                if rank is not None:
+                    self._deliver(rank, wake)
                 return max(int(e["kv"]["mod_revision"]) for e in wake)
             start = max(int(e["kv"]["mod_revision"]) for e in events) + 1
+
+    def _deliver(self, rank: str, events: list[dict[str, Any]]) -> None:
+        """Keep this joiner's rank if ``events`` wrote it, for the engine's next read of it."""
+        key = self.etcd_key(rank)
+        for event in events:
+            if event.get("type") != "DELETE" and unb64(event["kv"]["key"]) == key:
+                self._delivered = (rank, unb64(event["kv"].get("value")))
 
 
 def key_prefix(etcd_prefix: str) -> str:

@@ -159,7 +159,7 @@ class EtcdStore(Store):
             create = {"key": b64(self.etcd_key(missing[0])), "start_revision": revision + 1,
                       "filters": ["NODELETE"]}  # fmt: skip
             try:
-                self.client.watch(create, remaining)
+                self.client.watch(create, timeout=remaining)
             except EtcdCompactedError:
                 continue
 
@@ -264,7 +264,7 @@ class EtcdStore(Store):
         seconds = to_seconds(timeout, self._timeout)
         create = {**self._range(path), "start_revision": int(since) + 1}
         try:
-            events = self.client.watch(create, seconds)
+            events = self.client.watch(create, timeout=seconds)
         except EtcdCompactedError:
             # The history since `since` is gone: report a change so the caller re-reads.
             answer = self.client.call("kv/range", {**self._range(path), "count_only": True})
