@@ -32,7 +32,6 @@ _monotonic = time.monotonic
 _LEN_unpack_from = P.LEN.unpack_from
 _HEAD_unpack_from = P.BODY_HEAD.unpack_from
 _READ_SIZE = 1 << 18
-_READ_EVENTS = ~EPOLLOUT
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to complete the handshake."""
@@ -44,6 +43,12 @@ READY = 2
 
 class Conn:
     """One client connection (see the module docstring)."""
+
+    __slots__ = (
+        "core", "sock", "fd", "peer", "phase", "session", "ttl", "last_recv", "chunks",
+        "chunks_len", "need", "deferred", "out", "out_size", "unsent", "reading", "dirty",
+        "waiters", "hello", "server_nonce", "timer", "timer_due", "closed", "closing", "max_frame",
+    )
 
     def __init__(self, core: "Core", sock: socket.socket, peer: str) -> None:
         self.core = core
@@ -81,7 +86,7 @@ class Conn:
     def on_event(self, events: int) -> None:
         if events & EPOLLOUT:
             self._send_unsent()
-        if not self.reading or self.closing or self.closed or not events & _READ_EVENTS:
+        if not self.reading:  # held back, closing or closed
             return
         try:
             n = self.sock.recv_into(self.core.rbuf, _READ_SIZE)
@@ -166,9 +171,12 @@ class Conn:
                     self.need = 4
         except P.ProtocolError as exc:
             self.drop(f"protocol error: {exc}", P.error(0, exc.code, str(exc)))
-        if self.out and not self.dirty:
-            self.dirty = True
-            core.dirty.append(self)
+        if self.out:
+            if core.wal is None:
+                self.flush_out()  # nothing to log first: answer at once
+            elif not self.dirty:
+                self.dirty = True
+                core.dirty.append(self)
 
     # -- requests ---------------------------------------------------------------------------------
     def _failed(self, op: int, rid: int, exc: Exception) -> bytes:
@@ -276,6 +284,8 @@ class Conn:
 
     def _resume_reading(self) -> None:
         """Every answer went out: read this client's requests again, the deferred ones first."""
+        if self.closing or self.closed:
+            return
         self.reading = True
         self._watch_events()
         if self.deferred is not None:
@@ -292,7 +302,7 @@ class Conn:
     def _watch_events(self) -> None:
         if self.closed:
             return
-        events = (EPOLLIN if self.reading and not self.closing else 0) | (
+        events = (EPOLLIN if self.reading else 0) | (
             EPOLLOUT if self.unsent else 0
         )
         self.core.loop.modify(self.fd, events)
@@ -308,10 +318,15 @@ class Conn:
             self.lost(None)
             return
         self.queue(last_frame)
-        self.closing = True
+        self.finish()
         if self.timer is not None:
             self.timer.cancel()
         self.timer = self.core.loop.call_later(CLOSE_TIMEOUT, self.close_now)
+
+    def finish(self) -> None:
+        """Read no more requests; close once the answers queued so far are sent."""
+        self.closing = True
+        self.reading = False
 
     def close_now(self) -> None:
         """Close the socket at once (the answers sent so far stay sent)."""
@@ -322,6 +337,7 @@ class Conn:
         if self.closed:
             return
         self.closed = True
+        self.reading = False
         if exc is not None:
             log.debug("connection from %s broke: %s", self.peer, exc)
         core = self.core

@@ -24,6 +24,7 @@ _ok = P.ok
 _RESP_pack = P.RESP_HEAD.pack
 _HEAD_SIZE = P.HEAD_SIZE
 _OK = P.STATUS_OK
+_QUIET = P.FLAG_QUIET
 
 Handler = Callable[["Conn", int, bytes, int, int], "bytes | None"]
 
@@ -69,7 +70,7 @@ class RequestHandlers(Waiters):
         changed = self.state.set(key, value, conn.session.id if ephemeral else 0)  # type: ignore[union-attr]
         if self.waiters:
             self.wake(changed)
-        return None if buf[pos] & P.FLAG_QUIET else _ok(rid)
+        return None if buf[pos] & _QUIET else _ok(rid)
 
     def _op_get(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
         key, blocking, wait_ms = _dec_get(buf, pos, end)
@@ -183,6 +184,6 @@ class RequestHandlers(Waiters):
         if sess is not None:
             conn.session = None
             self.end_session(sess)
-        conn.closing = True
+        conn.finish()
         return P.ok(rid)
 

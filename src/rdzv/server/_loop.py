@@ -150,7 +150,9 @@ class EventLoop:
             if self._soon:
                 timeout = 0.0
             elif timers:
-                timeout = max(0.0, timers[0].when - _monotonic())
+                timeout = timers[0].when - _monotonic()
+                if timeout < 0.0:
+                    timeout = 0.0
             else:
                 timeout = -1.0
             for fd, events in poll(timeout, _MAX_EVENTS):

@@ -156,38 +156,35 @@ class StoreConnection:
                 "next call to the server, which was itself carried out)"
             )
 
-    def _request(self, frame: bytes, rid: int, deadline: float | None = None) -> tuple[int, bytes]:
-        """Send ``frame`` and return (status, payload) of its response. Lock held.
-
-        Raises the error of an earlier pipelined write that the answers read on the way report.
-        """
-        result = self._exchange(frame, rid, deadline)
-        if self._write_error is not None:
-            err, self._write_error = self._write_error, None
-            raise err
-        return result
-
-    def _exchange(self, frame: bytes, rid: int, deadline: float | None = None) -> tuple[int, bytes]:
+    def _request(
+        self, frame: bytes, rid: int, deadline: float | None = None, *, report: bool = True
+    ) -> tuple[int, bytes]:
         """Send ``frame`` and return (status, payload) of its response. Lock held.
 
         A lost connection is re-established until ``deadline`` (default: the store timeout from
         now), and the unacknowledged writes and this request are resent, in order; the server
-        applies none of them twice.
+        applies none of them twice. Raises the error of an earlier pipelined write that the
+        answers read on the way report (unless ``report`` is false: it waits for the next call).
         """
         sock = self._sock
         if sock is None or self._pending_error is not None or len(frame) > self._max_frame + 4:
-            return self._request_slow(frame, rid, deadline, None)
-        try:
-            self._last_send = _monotonic()
-            sock.sendall(frame)
-            return self._read_response(sock, rid)
-        except StoreError:
-            self._disconnect()
-            raise
-        except OSError as exc:
-            log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
-            self._disconnect(exc)
-            return self._request_slow(frame, rid, deadline, exc)
+            result = self._request_slow(frame, rid, deadline, None)
+        else:
+            try:
+                self._last_send = _monotonic()
+                sock.sendall(frame)
+                result = self._read_response(sock, rid)
+            except StoreError:
+                self._disconnect()
+                raise
+            except OSError as exc:
+                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
+                self._disconnect(exc)
+                result = self._request_slow(frame, rid, deadline, exc)
+        if report and self._write_error is not None:
+            err, self._write_error = self._write_error, None
+            raise err
+        return result
 
     def _exchange_many(self, frames: list[bytes], first_rid: int) -> list[tuple[int, bytes]]:
         """Send the read-only requests ``frames`` (ids ``first_rid``, ``first_rid + 1``...) in
@@ -501,7 +498,7 @@ class StoreConnection:
                 return
             rid = self._rid = self._rid + 1
             try:
-                self._exchange(P.encode_ping(rid), rid, _monotonic() + self._ping_every)
+                self._request(P.encode_ping(rid), rid, _monotonic() + self._ping_every, report=False)
             except SessionExpiredError as exc:
                 self._pending_error = exc
             except (StoreError, OSError) as exc:
