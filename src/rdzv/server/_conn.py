@@ -2,8 +2,8 @@
 
 :class:`Conn` reads into one buffer shared by all connections, splits the bytes into frames,
 runs the handshake (version, optional shared-secret auth, session attach/resume), hands each
-request to the core's handlers and queues the answers; the core sends each connection's answers
-with one ``send`` at the end of the loop's round. A client that does not read its answers is
+request to the core's handlers and sends the answers to all the requests of one read with one
+``send`` (with a write-ahead log: at the end of the loop's round, once logged). A client that does not read its answers is
 held back (its requests are no longer read until it drains them) and dropped when they pile up
 beyond a limit; a client that stays silent for its session ttl loses its session.
 """

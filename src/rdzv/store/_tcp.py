@@ -52,6 +52,8 @@ __all__ = ["INIT_KEY", "MAX_UNACKED_BYTES", "MAX_UNACKED_WRITES", "TCPStore"]
 INIT_KEY = "init/"
 """The counter that clients increment when created with a world size (as torch's do)."""
 _OK = P.STATUS_OK
+_encode_set = P.encode_set
+_encode_get = P.encode_get
 _TIMEOUT = P.STATUS_TIMEOUT
 _monotonic = time.monotonic
 
@@ -167,11 +169,10 @@ class TCPStore(StoreConnection, Store):
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
         if key.__class__ is not str or not key:
             check_key(key)
-        kb = key.encode()
         vb = value if value.__class__ is bytes else to_bytes(value)
         with self._lock:
             rid = self._rid = self._rid + 1
-            self._send_write(P.encode_set(rid, kb, vb, ephemeral, True), rid, "set", key)
+            self._send_write(_encode_set(rid, key.encode(), vb, ephemeral, True), rid, "set", key)
             if ephemeral:
                 self._had_ephemeral = True
 
@@ -233,7 +234,7 @@ class TCPStore(StoreConnection, Store):
         with self._lock:
             rid = self._rid = self._rid + 1
             status, payload = self._request(
-                P.encode_get(rid, key.encode(), True, self._chunk_ms), rid, started + timeout
+                _encode_get(rid, key.encode(), True, self._chunk_ms), rid, started + timeout
             )
         if status == _OK:
             return payload

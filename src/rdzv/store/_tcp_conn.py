@@ -39,7 +39,7 @@ MAX_UNACKED_WRITES = 256
 """Pipelined writes a client may have unacknowledged before a write waits for their answers."""
 MAX_UNACKED_BYTES = 4 << 20
 """... and their total size in bytes (the client keeps them to resend after a reconnect)."""
-_RESP = P.RESP_HEAD
+_RESP_unpack_from = P.RESP_HEAD.unpack_from
 _OK = P.STATUS_OK
 _monotonic = time.monotonic
 _SO_RCVTIMEO: int | None = getattr(socket, "SO_RCVTIMEO", None)
@@ -254,16 +254,19 @@ class StoreConnection:
                 self._disconnect(exc)
 
     def _read_response(self, sock: socket.socket, rid: int) -> tuple[int, bytes]:
-        buf = self._rbuf
-        recv = sock.recv
+        buf = self._rbuf or sock.recv(65536)  # usually nothing is left over: read at once
         while True:
             size = len(buf)
             if size >= 9:
-                length, status, r = _RESP.unpack_from(buf)
+                length, status, r = _RESP_unpack_from(buf)
                 end = length + 4
                 if size >= end:
-                    payload = buf[9:end]
-                    buf = buf[end:]
+                    if size == end:
+                        payload = buf[9:]
+                        buf = b""
+                    else:
+                        payload = buf[9:end]
+                        buf = buf[end:]
                     unacked = self._unacked
                     if unacked:
                         # Answers come in request order: one to request r implies that every
@@ -294,7 +297,7 @@ class StoreConnection:
                 if end > 1 << 20:
                     buf = self._recv_exactly(sock, buf, end)
                     continue
-            chunk = recv(65536)
+            chunk = sock.recv(65536)
             if not chunk:
                 raise _ConnectionLost("the server closed the connection")
             buf = buf + chunk if buf else chunk
