@@ -29,6 +29,7 @@ from ._binary import find_etcd_binary
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+_START_TRIES = 3
 
 
 class LocalEtcdError(RendezvousError, RuntimeError):
@@ -235,6 +236,18 @@ class LocalEtcdCluster:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "LocalEtcdCluster":
+        """Start every member and wait until all are healthy; if another process took one of
+        the chosen ports meanwhile, start again on other ports (3 tries)."""
+        for attempt in range(_START_TRIES):
+            try:
+                return self._start_once()
+            except LocalEtcdError as exc:
+                if attempt == _START_TRIES - 1 or "address already in use" not in str(exc):
+                    raise
+                logger.warning("a port of the local etcd was taken meanwhile; trying others")
+        return self
+
+    def _start_once(self) -> "LocalEtcdCluster":
         if self._members:
             return self
         self._root = tempfile.mkdtemp(prefix="rdzv-etcd-")
@@ -371,15 +384,7 @@ class LocalEtcd(LocalEtcdCluster):
         )
 
     def start(self) -> "LocalEtcd":
-        """Start etcd (retrying with other ports if the chosen ones were taken meanwhile)."""
-        for attempt in range(3):
-            try:
-                super().start()
-                return self
-            except LocalEtcdError:
-                if attempt == 2:
-                    raise
-                logger.warning("local etcd failed to start, retrying on other ports")
+        super().start()
         return self
 
     def __enter__(self) -> "LocalEtcd":
