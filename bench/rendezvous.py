@@ -2,12 +2,20 @@
 
 Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--no-torch]``
 
-How nodes are simulated: every node is a thread with its own handler and its own store
-connection (rdzv: a TCPStore client with its session; torch: a TCPStore client), and the threads
-are spread over up to ``--procs`` worker processes (default 8), all on 127.0.0.1. rdzv's store
-server runs in its own process; torch's TCPStore server (C++) in this one. Workers start their
-threads at one instant of CLOCK_MONOTONIC (shared by the processes of a machine) and report when
-their last node returned; a time is the latest return minus the start.
+How nodes are simulated: every node has its own handler and its own store connection (rdzv: a
+TCPStore client with its session; torch: a TCPStore client), and calls next_rendezvous from its
+own thread of control; the nodes are spread over ``--procs`` worker processes (default 8), all on
+127.0.0.1. Up to 1000 nodes (``--nodes auto``) each node is an OS thread. Above that rdzv's nodes
+are gevent greenlets (``pip install gevent``): the worker runs under ``python -m gevent.monkey``,
+so the unmodified blocking handler and TCPStore run cooperatively, one greenlet per node. Thousands
+of OS threads per process do not simulate nodes: they measure CPython's GIL (waiting threads
+wake every 5 ms to claim it; at 10,000 nodes on 2 cores the load reached 1000 and the round never
+formed). torch's TCPStore client is C++ (gevent cannot switch inside it), so torch's nodes are
+always threads; torch only runs up to 128 nodes. rdzv's store server runs in its own process;
+torch's TCPStore server (C++) in this one. Workers start their nodes at one instant of
+CLOCK_MONOTONIC (shared by the processes of a machine) and report when their last node returned;
+a time is the latest return minus the start. "last call" is when the last node had made its call
+(how far the simulation lagged behind the common start; it is part of the time).
 
 Scenarios:
 
@@ -44,6 +52,8 @@ from typing import Any
 HOST = "127.0.0.1"
 HERE = os.path.abspath(__file__)
 REPLY_TIMEOUT = 600.0
+GREENLETS_ABOVE = 1000
+"""``--nodes auto``: rdzv's nodes are greenlets above this many nodes, threads up to it."""
 
 
 # -- worker processes ---------------------------------------------------------------------------
@@ -77,12 +87,19 @@ def _torch_handler(spec: dict[str, Any]) -> Any:
 
 
 def _next_all(handlers: list[Any], at: float) -> dict[str, Any]:
+    """Every handler calls next_rendezvous at ``at``, each from its own thread.
+
+    Reports the latest return, each node's (rank, world size), the first errors, and the latest
+    moment a node made its call (how far the simulation lagged behind the common start).
+    """
+    starts = [0.0] * len(handlers)
     ends = [0.0] * len(handlers)
     ranks: list[Any] = [None] * len(handlers)
     errors: list[str] = []
 
     def node(i: int) -> None:
         time.sleep(max(0.0, at - time.monotonic()))
+        starts[i] = time.monotonic()
         try:
             info = handlers[i].next_rendezvous()
             ranks[i] = (info.rank, info.world_size)
@@ -95,7 +112,7 @@ def _next_all(handlers: list[Any], at: float) -> dict[str, Any]:
         thread.start()
     for thread in threads:
         thread.join(REPLY_TIMEOUT)
-    return {"end": max(ends), "ranks": ranks, "errors": errors[:3]}
+    return {"end": max(ends), "last_call": max(starts), "ranks": ranks, "errors": errors[:3]}
 
 
 def _watch(handler: Any, impl: str) -> float:
@@ -138,8 +155,9 @@ def serve_main() -> None:
 # -- the driver ---------------------------------------------------------------------------------
 class Worker:
     def __init__(self, spec: dict[str, Any]) -> None:
+        greenlets = ["-m", "gevent.monkey"] if spec.get("nodes") == "greenlets" else []
         self.process = subprocess.Popen(
-            [sys.executable, HERE, "--worker", json.dumps(spec)],
+            [sys.executable, *greenlets, HERE, "--worker", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
 
@@ -210,8 +228,12 @@ def split(total: int, procs: int) -> list[int]:
     return [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
 
 
-def next_round(workers: list[Worker], lead: float = 0.5) -> tuple[float, list[Any]]:
-    """Every node of ``workers`` calls next_rendezvous at one instant: (seconds, results)."""
+def next_round(workers: list[Worker], lead: float = 0.5) -> tuple[float, list[Any], float]:
+    """Every node of ``workers`` calls next_rendezvous at one instant.
+
+    Returns (seconds until the last node returned, every node's result, seconds until the last
+    node had made its call).
+    """
     at = time.monotonic() + lead
     for worker in workers:
         worker.send(op="next", at=at)
@@ -219,7 +241,8 @@ def next_round(workers: list[Worker], lead: float = 0.5) -> tuple[float, list[An
     errors = [e for r in results for e in r["errors"]]
     if errors:
         raise RuntimeError(f"next_rendezvous failed: {errors[0]}")
-    return max(r["end"] for r in results) - at, [x for r in results for x in r["ranks"]]
+    return (max(r["end"] for r in results) - at, [x for r in results for x in r["ranks"]],
+            max(r["last_call"] for r in results) - at)
 
 
 def check(ranks: list[Any], world: int) -> None:
@@ -230,17 +253,28 @@ def check(ranks: list[Any], world: int) -> None:
     assert {w for _, w in ranks} == {world}
 
 
-def bench_barrier(impl: str, n: int, procs: int, run: int) -> float:
+def node_kind(impl: str, n: int, choice: str) -> str:
+    """How the nodes of a barrier run: "threads" or "greenlets" (see the module docstring)."""
+    if choice != "auto":
+        return choice
+    if impl == "rdzv" and n > GREENLETS_ABOVE and importlib.util.find_spec("gevent") is not None:
+        return "greenlets"
+    return "threads"
+
+
+def bench_barrier(impl: str, n: int, procs: int, run: int, nodes: str) -> tuple[float, float]:
+    """(seconds until the last of N nodes returned, seconds until the last had made its call)."""
     server = Server(impl)
-    # Above 1000 nodes the simulation itself (thousands of threads on a few cores) can starve a
-    # client's keepalive thread during setup: a longer heartbeat keeps the sessions alive.
+    # Above 1000 nodes the saturated cores can delay a client's keepalive during setup: a longer
+    # heartbeat keeps the simulated nodes' sessions alive.
     options = {"heartbeat_interval": 60.0} if n > 1000 else {}
     workers = start_workers(impl, server.port, split(n, procs), run_id=f"barrier{run}",
-                            min=n, max=n, options=options, timeouts={})
+                            min=n, max=n, options=options, timeouts={}, nodes=nodes)
     try:
-        seconds, ranks = next_round(workers, lead=0.5 + n / 5000)
+        seconds, ranks, last_call = next_round(workers, lead=0.5 + n / 5000)
+        assert len(ranks) == n, f"{len(ranks)} results for {n} nodes"
         check(ranks, n)
-        return seconds
+        return seconds, last_call
     finally:
         for worker in workers:
             worker.close()
@@ -261,7 +295,7 @@ def bench_scale_out(impl: str, procs: int) -> tuple[float, float, str]:
         t0 = time.monotonic()
         late.send(op="next", at=t0)
         seen = members[0].read()["seen"] - t0
-        seconds, ranks = next_round(members, lead=0.0)
+        seconds, ranks, _ = next_round(members, lead=0.0)
         check(ranks, 9)  # the members: ranks 0..7 of 9 (the late node has the last one)
         if not select.select([late.process.stdout], [], [], 30.0)[0]:
             return seen, seconds, "the late node did not return within 30 s"
@@ -316,6 +350,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,8,32,128,1000,10000")
     parser.add_argument("--procs", type=int, default=8, help="worker processes per scenario")
     parser.add_argument("--no-torch", action="store_true", help="rdzv only")
+    parser.add_argument("--nodes", choices=("auto", "threads", "greenlets"), default="auto",
+                        help=f"rdzv's barrier nodes: threads, gevent greenlets, or auto "
+                             f"(greenlets above {GREENLETS_ABOVE} nodes if gevent is installed)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -328,19 +365,26 @@ def main() -> None:
         print("torch is not installed: rdzv only (pip install torch==2.13.0 for the comparison)")
         with_torch = False
 
-    print(f"barrier: N nodes call next_rendezvous together (min = max = N), "
-          f"threads over {args.procs} processes")
-    print(f"{'N':>6} | {'rdzv':>10} | {'torch c10d':>10} | ratio")
+    print(f"barrier: N nodes call next_rendezvous together (min = max = N) over {args.procs} "
+          f"processes; 'last call': when the last node had called (simulation lag, included)")
+    print(f"{'N':>6} | {'rdzv':>10} | {'last call':>9} | {'nodes':>9} | {'torch c10d':>10} | "
+          f"{'last call':>9} | ratio")
     for run, n in enumerate(int(s) for s in args.sizes.split(",")):
+        kind = node_kind("rdzv", n, args.nodes)
         try:
-            mine = bench_barrier("rdzv", n, args.procs, run)
+            mine, lag = bench_barrier("rdzv", n, args.procs, run, kind)
         except (RuntimeError, AssertionError, OSError) as exc:
-            print(f"{n:>6} | failed: {str(exc)[:100]}", flush=True)
+            print(f"{n:>6} | failed ({kind}): {str(exc)[:100]}", flush=True)
             continue
-        theirs = bench_barrier("torch", n, args.procs, run) if with_torch and n <= 128 else None
+        theirs, their_lag = (None, None)
+        if with_torch and n <= 128:
+            theirs, their_lag = bench_barrier("torch", n, args.procs, run, "threads")
         note = "" if theirs is not None or not with_torch else " (torch skipped: > 128)"
-        print(f"{n:>6} | {fmt(mine):>10} | {fmt(theirs):>10} | {ratio(theirs, mine)}{note}",
-              flush=True)
+        print(f"{n:>6} | {fmt(mine):>10} | {fmt(lag):>9} | {kind:>9} | {fmt(theirs):>10} | "
+              f"{fmt(their_lag):>9} | {ratio(theirs, mine)}{note}", flush=True)
+    if args.nodes == "auto" and importlib.util.find_spec("gevent") is None:
+        print(f"  note: gevent is not installed: nodes above {GREENLETS_ABOVE} ran as threads "
+              "(pip install gevent)")
 
     print("\nscale-out: 8 members, a late node arrives (max_nodes 9)")
     seen, new_round, note = bench_scale_out("rdzv", args.procs)

@@ -293,7 +293,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if step.action is Action.ARM:
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
-                if not self._try_seal(r):
+                sealed, mine = self._try_seal(r, index)
+                if mine is not None:  # this node sealed the round: it knows its rank
+                    return self._collect(r, index, mine, previous)
+                if not sealed:
                     self._wait_for_sealer(r, deadline)
                 woken = True
             elif step.action is Action.COLLECT:
@@ -323,29 +326,33 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rejoined = reads.counts[back_dir] if expected else 0
         return RoundView(False, False, alive, rejoined, expected, armed)
 
-    def _try_seal(self, r: int) -> bool:
-        """Seal round r if this node gets the sealer lock; False if another node holds it.
+    def _try_seal(self, r: int, index: int) -> tuple[bool, bytes | None]:
+        """Seal round r if this node gets the sealer lock.
 
-        The lock is released when done (sealed, already sealed, or too few joiners left), and
-        by the holder's death, which wakes the nodes waiting for it (:meth:`_wait_for_sealer`).
+        Returns (False, None) if another node holds the lock; else (True, this node's rank
+        record if this call sealed the round with it). The lock is released when done (an
+        empty value: a quiet write) and by the holder's death, either of which wakes the nodes
+        waiting for it (:meth:`_wait_for_sealer`).
         """
         store, keys = self._store, self._keys
         me, lock = self._node_id.encode(), keys.sealer(r)
         if store.compare_set(lock, b"", me, ephemeral=True) != me:
-            return False
+            return False, None
+        mine = None
         try:
             if store.try_get(keys.status(r)) is None:
-                self._seal(r)
+                mine = self._seal(r, index)
         finally:
-            store.delete_key(lock)
+            store.set(lock, b"", ephemeral=True)
         if store.try_get(keys.closed) is not None:  # closed meanwhile: close the next round
             store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
-        return True
+        return True, mine
 
-    def _seal(self, r: int) -> None:
+    def _seal(self, r: int, index: int) -> bytes | None:
         """List round r's joiners and write each one's rank and the decision (lock held).
 
-        With fewer than min_nodes joiners left, writes nothing: the others re-evaluate."""
+        Returns joiner ``index``'s rank record (None if it is not a member). With fewer than
+        min_nodes joiners left, writes nothing: the others re-evaluate."""
         store, keys = self._store, self._keys
         nodes_dir = keys.nodes(r)
         joiners = {}
@@ -354,14 +361,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             joiners[decode_int(key, suffix.encode(), -1)] = decode_node(key, raw)
         ranks = plan_ranks(joiners, self._rules)
         if ranks is None:
-            return
+            return None
         rank0 = joiners[next(i for i, rank in ranks.items() if rank == 0)]
         decision = Decision(len(ranks), rank0.host, rank0.port)
-        names = [keys.rank(r, i) for i in ranks] + [keys.status(r), keys.sealed]
-        values = [encode_rank(rank, decision) for rank in ranks.values()]
-        store.multi_set(names, values + [encode_decision(decision), str(r).encode()])
+        records = {i: encode_rank(rank, decision) for i, rank in ranks.items()}
+        names = [keys.rank(r, i) for i in records] + [keys.status(r), keys.sealed]
+        store.multi_set(names, [*records.values(), encode_decision(decision), str(r).encode()])
         logger.info("rendezvous %s round %d sealed by %s: world_size %d",
                     keys.run_id, r, self._node_id, decision.world_size)
+        return records.get(index)
 
     def _wait_for_sealer(self, r: int, deadline: float) -> None:
         """Wait until the node holding round r's sealer lock releases it (done, or dead).
@@ -371,7 +379,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         release in between is not missed."""
         store, lock = self._store, self._keys.sealer(r)
         since = store.revision(lock)
-        if store.try_get(lock) is not None:
+        if store.try_get(lock):  # held: a node id (missing or empty: free)
             self._watch(lock, since, deadline - time.monotonic())
 
     def _collect(

@@ -14,6 +14,7 @@ key                            meaning
 ``round/<r>/ctl/status``       the decision once sealed, or ``closed``; absent while forming
 ``round/<r>/ctl/armed``        written once when the round may complete and min_nodes are alive
 ``round/<r>/sealer``           EPHEMERAL lock of the one node that lists the joiners and seals
+                               (its node id while held; empty or missing: free)
 ``round/<r+1>/ctl/expect/<i>`` EPHEMERAL: joiner ``i`` of round r is alive (written on joining r)
 ``round/<r>/user/...``         the members' own keys (``RendezvousInfo.store``)
 =============================  ======================================================================
