@@ -31,6 +31,7 @@ log = logging.getLogger("rdzv.server")
 _monotonic = time.monotonic
 _LEN_unpack_from = P.LEN.unpack_from
 _HEAD_unpack_from = P.BODY_HEAD.unpack_from
+_HEAD_SIZE = P.HEAD_SIZE
 _READ_SIZE = 1 << 18
 
 HANDSHAKE_TIMEOUT = 10.0
@@ -117,6 +118,7 @@ class Conn:
         core = self.core
         handlers = core.handlers
         mutating = core.mutating
+        out_high = core.out_high
         out = self.out
         size = len(data)
         pos = 0
@@ -134,7 +136,7 @@ class Conn:
                     break
                 if self.phase != READY:
                     self.handshake(data[pos + 4 : end])
-                elif length < P.HEAD_SIZE:
+                elif length < _HEAD_SIZE:
                     raise P.ProtocolError(f"request frame of {length} bytes is shorter than its header")
                 else:
                     op, rid = _HEAD_unpack_from(data, pos + 4)
@@ -157,9 +159,9 @@ class Conn:
                         out.append(resp)
                         self.out_size += len(resp)
                 pos = end
-                if self.closed or self.closing:
+                if not self.reading:  # closing, or closed
                     break
-                if self.out_size > core.out_high and pos < size:
+                if self.out_size > out_high and pos < size:
                     # Answers pile up: the rest waits until the client has read them.
                     self.deferred = data[pos:]
                     self._pause_reading()

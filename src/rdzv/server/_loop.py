@@ -95,7 +95,8 @@ class EventLoop:
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
-        self._handlers: dict[int, Handler] = {}
+        self._handlers: dict[int, Callable[[int], None]] = {}
+        """Each registered fd's ``on_event``."""
         self._timers: list[Timer] = []
         self._next_compaction = 0.0
         self._soon: list[tuple[Callable[..., Any], tuple]] = []
@@ -108,7 +109,7 @@ class EventLoop:
     # -- file descriptors ---------------------------------------------------------------------
     def register(self, fd: int, events: int, handler: Handler) -> None:
         self._epoll.register(fd, events)
-        self._handlers[fd] = handler
+        self._handlers[fd] = handler.on_event
 
     def modify(self, fd: int, events: int) -> None:
         self._epoll.modify(fd, events)
@@ -156,9 +157,9 @@ class EventLoop:
             else:
                 timeout = -1.0
             for fd, events in poll(timeout, _MAX_EVENTS):
-                handler = handlers.get(fd)
-                if handler is not None:
-                    handler.on_event(events)
+                on_event = handlers.get(fd)
+                if on_event is not None:
+                    on_event(events)
             if timers and timers[0].when <= _monotonic():
                 self._run_timers()
             while self._soon:

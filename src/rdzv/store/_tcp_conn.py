@@ -126,8 +126,7 @@ class StoreConnection:
         self._unacked_bytes += size
         sock = self._sock
         if sock is not None:
-            try:
-                self._last_send = _monotonic()
+            try:  # (not counted as a sign of life: the keepalive may ping a busy writer)
                 sock.sendall(frame)
             except OSError as exc:
                 log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
