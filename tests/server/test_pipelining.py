@@ -156,3 +156,35 @@ def test_unacknowledged_sets_are_resent_even_when_the_session_was_lost() -> None
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_writes_resent_to_a_restarted_durable_server_are_applied_once(tmp_path: object) -> None:
+    """Pipelined writes logged by a server that is then SIGKILLed, resent by their client on
+    its resumed session after the restart: answered as before, not applied again."""
+    data_dir = os.path.join(str(tmp_path), "data")
+    server, port = start_server_process("--data-dir", data_dir, "--fsync", "never")
+    raw = again = None
+    try:
+        raw = Raw(port)
+        raw.handshake(ttl=30)
+        in_flight = b"".join(P.encode_set(rid, b"s/%d" % rid, b"v", quiet=True) for rid in range(1, 21))
+        in_flight += P.encode_add(21, b"n", 5)
+        raw.send(in_flight)
+        assert P.decode_response(raw.frame()) == (P.STATUS_OK, 21, b"5")  # all of it is logged
+        server.kill()  # SIGKILL: the client never learns which of its writes were applied
+        server.wait()
+        server, _ = start_server_process("--data-dir", data_dir, "--fsync", "never", port=port)
+        again = Raw(port)
+        assert again.handshake(resume=raw.session, ttl=30).resumed
+        again.send(in_flight)  # the client resends every write it has no answer to
+        answers = [P.decode_response(again.frame()) for _ in range(21)]
+        assert answers[:20] == [(P.STATUS_OK, rid, b"") for rid in range(1, 21)]
+        assert answers[20] == (P.STATUS_OK, 21, b"5")  # the add's own answer, not applied again
+        assert again.call(P.encode_add(22, b"n", 5)) == (P.STATUS_OK, 22, b"10")
+        assert again.call(P.encode_count_keys(23, b"s/")) == (P.STATUS_OK, 23, P.U64.pack(20))
+    finally:
+        for each in (raw, again):
+            if each is not None:
+                each.close()
+        server.kill()
+        server.wait()

@@ -18,6 +18,7 @@ import pytest
 
 from rdzv.errors import RendezvousStateError, StoreError, StoreValueError
 from rdzv.server._wal import WriteAheadLog
+from rdzv.server._wal_format import SessionRequest
 from rdzv.store._state import Delete, KVState, Put, SessionClose, SessionOpen
 
 LOG_0 = "wal-0000000000000000.log"
@@ -272,6 +273,27 @@ def test_snapshots_then_log_replay(tmp_path: Path) -> None:
     assert snapshot[len("snapshot-"):-len(".snap")] == log[len("wal-"):-len(".log")] != "0" * 16
     assert (tmp_path / log).stat().st_size > 24, "the test must also replay records after the snapshot"
     assert_same_state(recover(tmp_path), state)
+
+
+def test_last_write_of_each_session_survives_log_and_snapshot(tmp_path: Path) -> None:
+    """What lets a restarted server answer a resent write without applying it twice."""
+    state = live_state()
+    first, second, closed = (state.open_session(30.0) for _ in range(3))
+    state.add("n", 5)
+    state.effects += [SessionRequest(first, 7, b"answer"), SessionRequest(second, 3, None)]
+    state.effects.append(SessionRequest(closed, 2, b"gone"))
+    state.close_session(closed)
+    expected = {first: SessionRequest(first, 7, b"answer"), second: SessionRequest(second, 3, None)}
+    with WriteAheadLog(tmp_path) as wal:
+        wal.recover()
+        commit(wal, state)
+    with WriteAheadLog(tmp_path) as wal:
+        wal.recover()
+        assert wal.requests == expected  # from the log
+        wal.snapshot(state, {**expected, closed: SessionRequest(closed, 2, b"")})
+    with WriteAheadLog(tmp_path) as wal:
+        assert_same_state(wal.recover(), state)
+        assert wal.requests == expected  # from the snapshot (a closed session's is not kept)
 
 
 def test_snapshot_of_an_empty_state_and_of_closed_sessions(tmp_path: Path) -> None:

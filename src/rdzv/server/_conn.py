@@ -21,6 +21,7 @@ from ..errors import StoreValueError
 from . import _auth
 from . import protocol as P
 from ._loop import EPOLLIN, EPOLLOUT
+from ._wal_format import SessionRequest
 
 if TYPE_CHECKING:
     from ._core import Core, Session
@@ -153,6 +154,8 @@ class Conn:
                             resp = self._failed(op, rid, exc)
                         sess.last_rid = rid  # type: ignore[union-attr]
                         sess.last_resp = resp  # type: ignore[union-attr]
+                        if core.wal is not None:  # logged after the write's own effects
+                            core.state.effects.append(SessionRequest(sess.id, rid, resp))  # type: ignore[union-attr]
                     else:
                         resp = self._resent(op, rid)
                     if resp is not None:

@@ -20,6 +20,7 @@ from . import protocol as P
 from ._conn import Conn
 from ._dispatch import RequestHandlers
 from ._loop import EPOLLIN, EventLoop, Timer
+from ._wal_format import SessionRequest
 from ._waiters import Waiter
 
 log = logging.getLogger("rdzv.server")
@@ -75,6 +76,9 @@ class Core(RequestHandlers):
         for sid, ttl in list(state.session_ttls.items()):
             # Recovered from the log: each session gets a fresh window to be resumed.
             sess = Session(sid, ttl)
+            last = wal.requests.get(sid) if wal is not None else None
+            if last is not None:  # its last write: a resent copy is answered, not applied
+                sess.last_rid, sess.last_resp = last.rid, last.answer
             self.sessions[sid] = sess
             window = ttl if ttl > 0 else DEFAULT_SESSION_TTL
             sess.timer = loop.call_at(now + window, self._expire_detached, sess)
@@ -118,9 +122,17 @@ class Core(RequestHandlers):
                 conn.flush_out()
         if logged:
             try:
-                wal.snapshot_if_due(self.state)
+                wal.snapshot_if_due(self.state, self.last_requests)
             except Exception:  # a failed snapshot leaves the log intact
                 log.exception("writing a snapshot of the store failed; the log is kept")
+
+    def last_requests(self) -> dict[int, SessionRequest]:
+        """The last write of each session that wrote (what a snapshot keeps)."""
+        return {
+            sid: SessionRequest(sid, sess.last_rid, sess.last_resp)
+            for sid, sess in self.sessions.items()
+            if sess.last_rid
+        }
 
     def fatal(self, exc: BaseException) -> None:
         """The write-ahead log failed: acknowledge nothing more, drop every client, stop."""

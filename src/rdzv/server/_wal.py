@@ -18,12 +18,15 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from ..errors import RendezvousStateError, StoreError, StoreValueError
-from ..store._state import Effect, KVState
+from ..store._state import KVState, SessionClose
 from ._wal_format import (
     FILE_HEADER_SIZE,
     LOG_MAGIC,
+    LogRecord,
+    SessionRequest,
     corrupt,
     encode,
     file_header,
@@ -117,6 +120,9 @@ class WriteAheadLog:
         self._log_size = 0  # bytes of the current log on disk (header and flushed records)
         self._snapshot_due = snapshot_bytes  # log size at which the next snapshot is written
         self._pending: list[bytes] = []
+        self.requests: dict[int, SessionRequest] = {}
+        """The last write of each session, as recovered (to answer a write resent after a
+        restart without applying it twice)."""
         self._failure: str | None = None  # why writing failed: nothing more is logged after it
 
     # -- recovery -------------------------------------------------------------------------------
@@ -126,7 +132,7 @@ class WriteAheadLog:
             raise StoreError("recover() must be called once, on an open WriteAheadLog")
         snapshots, logs = self._list_files()
         base = max(snapshots, default=0)  # files of older generations are left over from a crash
-        state = read_snapshot(snapshots[base], base) if base else KVState()
+        state, self.requests = read_snapshot(snapshots[base], base) if base else (KVState(), {})
         snapshot_size = snapshots[base].stat().st_size if base else 0
         chain = sorted(g for g in logs if g >= base)
         for expected, generation in enumerate(chain, start=base):
@@ -154,8 +160,14 @@ class WriteAheadLog:
     def _replay(self, path: Path, generation: int, state: KVState, *, last: bool) -> int:
         """Apply the records of one log to ``state``; how many. Cuts a torn tail off the last log."""
         effects, scan = read_log(path, generation)
+        requests = self.requests
         for effect in effects:
+            if isinstance(effect, SessionRequest):
+                requests[effect.session] = effect
+                continue
             state.apply(effect)
+            if isinstance(effect, SessionClose):
+                requests.pop(effect.session, None)
         if scan.problem is None:
             return len(effects)
         if not (scan.torn and last):
@@ -210,8 +222,8 @@ class WriteAheadLog:
                 logger.warning("cannot remove %s (%s); it is ignored from now on", path, exc.strerror)
 
     # -- logging --------------------------------------------------------------------------------
-    def append(self, effects: list[Effect]) -> None:
-        """Encode ``effects`` into the buffer; :meth:`flush` writes them."""
+    def append(self, effects: list[LogRecord]) -> None:
+        """Encode ``effects`` (and requests) into the buffer; :meth:`flush` writes them."""
         pending = self._pending
         for effect in effects:
             pending.append(encode(effect))
@@ -250,7 +262,9 @@ class WriteAheadLog:
         )
 
     # -- snapshots ------------------------------------------------------------------------------
-    def snapshot_if_due(self, state: KVState) -> None:
+    def snapshot_if_due(
+        self, state: KVState, requests: Callable[[], dict[int, SessionRequest]] = dict
+    ) -> None:
         """Write a snapshot of ``state`` if the log has outgrown the threshold.
 
         A failed snapshot is logged and retried later: the log stays complete meanwhile.
@@ -258,14 +272,15 @@ class WriteAheadLog:
         if self._log_size + sum(map(len, self._pending)) < self._snapshot_due:
             return
         try:
-            self.snapshot(state)
+            self.snapshot(state, requests())
         except StoreError:
             self._snapshot_due = self._log_size + self._snapshot_bytes
             logger.exception("snapshot failed; the log keeps every write, will retry later")
 
-    def snapshot(self, state: KVState) -> None:
+    def snapshot(self, state: KVState, requests: dict[int, SessionRequest] | None = None) -> None:
         """Start a new log, then write a snapshot of ``state`` (which must hold exactly the
-        effects appended so far) and remove the older files once it is durable."""
+        effects appended so far) with the sessions' last writes ``requests``, and remove the
+        older files once it is durable."""
         self.flush()
         old_fd = self._log_fd
         if old_fd is None or self._failure is not None:
@@ -286,7 +301,7 @@ class WriteAheadLog:
         path = self._file("snapshot", generation)
         temp = path.with_suffix(".tmp")
         try:
-            size = write_snapshot(temp, state, generation)
+            size = write_snapshot(temp, state, generation, requests or {})
             os.replace(temp, path)
             _fsync_dir(self.data_dir)
         except OSError as exc:

@@ -3,9 +3,11 @@
 Both kinds of file start with a header (magic, format version, generation, CRC32) followed by
 records: ``<u32 length><u32 crc32(payload)><u32 crc32(those 8 bytes)>`` then the payload, whose
 first byte is the record type. The header checksum tells a corrupted length (an error) from a
-record cut short at the end of the file (a torn write). A snapshot holds a meta record (revision,
-last session id, counts), then one Put per key, one SessionOpen per session and one PathRevision
-per path. No I/O here but whole-file reads and the writing of a snapshot file.
+record cut short at the end of the file (a torn write). A log also holds, after the effects of
+each write request, a SessionRequest: the session's last applied write (its request id and
+answer), so that a write resent after a restart is not applied twice. A snapshot holds a meta
+record (revision, last session id, counts), then one Put per key, one SessionOpen per session,
+the SessionRequest of each session that wrote, and one PathRevision per path. No I/O here but whole-file reads and the writing of a snapshot file.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import NamedTuple, Union
 from ..errors import RendezvousStateError, StoreError
 from ..store._state import Delete, Effect, KVState, Put, SessionClose, SessionOpen
 
-FORMAT_VERSION = 1
-"""The version of the file format written; files of a newer version are refused."""
+FORMAT_VERSION = 2
+"""The version of the file format written (2 added SessionRequest records); files of a newer
+version are refused."""
 
 LOG_MAGIC = b"RDZVWAL\x00"
 SNAPSHOT_MAGIC = b"RDZVSNP\x00"
@@ -29,12 +32,22 @@ FILE_HEADER_SIZE = _FILE_HEADER.size
 _LENGTH_CRC = struct.Struct("<II")  # payload length, crc32(payload)
 _RECORD_HEADER = struct.Struct("<III")  # the above, then crc32 of those 8 bytes
 
-_PUT, _DELETE, _SESSION_OPEN, _SESSION_CLOSE, _PATH_REVISION, _SNAPSHOT_META = range(1, 7)
+_PUT, _DELETE, _SESSION_OPEN, _SESSION_CLOSE, _PATH_REVISION, _SNAPSHOT_META, _REQUEST = range(1, 8)
 _PUT_HEAD = struct.Struct("<BQQI")  # type, revision, session, key length; then key, value
 _TYPE_NUMBER = struct.Struct("<BQ")  # type, revision or session; for Delete and PathRevision
 # the key or path follows
 _SESSION_OPEN_BODY = struct.Struct("<BQd")  # type, session, ttl
 _SNAPSHOT_META_BODY = struct.Struct("<BQQQQQ")  # type, revision, last session, counts x3
+_REQUEST_HEAD = struct.Struct("<BQIB")  # type, session, request id, has answer; then the answer
+
+
+class SessionRequest(NamedTuple):
+    """Log and snapshot record: the last write ``session`` had applied, request ``rid``, and
+    the response frame it was answered with (None: a quiet SET, not answered)."""
+
+    session: int
+    rid: int
+    answer: bytes | None
 
 
 class _PathRevision(NamedTuple):
@@ -54,7 +67,9 @@ class _SnapshotMeta(NamedTuple):
     paths: int
 
 
-_Record = Union[Put, Delete, SessionOpen, SessionClose, _PathRevision, _SnapshotMeta]
+_Record = Union[Put, Delete, SessionOpen, SessionClose, SessionRequest, _PathRevision, _SnapshotMeta]
+LogRecord = Union[Effect, SessionRequest]
+"""What a log holds: the effects, and the requests that caused them."""
 
 
 # -- encoding ------------------------------------------------------------------------------------
@@ -85,6 +100,10 @@ def encode(record: _Record) -> bytes:
         return _frame(_SESSION_OPEN_BODY.pack(_SESSION_OPEN, record.session, record.ttl))
     if isinstance(record, SessionClose):
         return _frame(_TYPE_NUMBER.pack(_SESSION_CLOSE, record.session))
+    if isinstance(record, SessionRequest):
+        answer = record.answer
+        head = _REQUEST_HEAD.pack(_REQUEST, record.session, record.rid, answer is not None)
+        return _frame(head + (answer or b""))
     if isinstance(record, _PathRevision):
         return _frame(_TYPE_NUMBER.pack(_PATH_REVISION, record.revision) + _text(record.path))
     if isinstance(record, _SnapshotMeta):
@@ -109,6 +128,9 @@ def decode(payload: bytes) -> _Record:
         number = _TYPE_NUMBER.unpack_from(payload)[1]
         text = _untext(payload[_TYPE_NUMBER.size :])
         return Delete(number, text) if kind == _DELETE else _PathRevision(text, number)
+    if kind == _REQUEST:
+        _, session, rid, answered = _REQUEST_HEAD.unpack_from(payload)
+        return SessionRequest(session, rid, payload[_REQUEST_HEAD.size :] if answered else None)
     if kind == _SNAPSHOT_META:
         return _SnapshotMeta(*_SNAPSHOT_META_BODY.unpack(payload)[1:])
     raise ValueError(f"unknown record type {kind}")
@@ -202,22 +224,23 @@ def _decode_at(path: Path, offset: int, payload: bytes, advice: str) -> _Record:
         raise corrupt(path, offset, f"an unreadable record ({exc})", advice) from exc
 
 
-def read_log(path: Path, generation: int) -> tuple[list[Effect], Scan]:
-    """The effects in a log file, and how reading it ended (the caller judges a damaged end)."""
+def read_log(path: Path, generation: int) -> tuple[list[LogRecord], Scan]:
+    """The records in a log file, and how reading it ended (the caller judges a damaged end)."""
     data = read_file(path)
     check_header(data, path, LOG_MAGIC, generation)
     scan = scan_records(data, _FILE_HEADER.size)
-    effects: list[Effect] = []
+    effects: list[LogRecord] = []
     for offset, payload in scan.records:
         record = _decode_at(path, offset, payload, "Restore it from a backup.")
-        if not isinstance(record, (Put, Delete, SessionOpen, SessionClose)):
+        if not isinstance(record, (Put, Delete, SessionOpen, SessionClose, SessionRequest)):
             raise corrupt(path, offset, "a snapshot record inside a log", "Restore it from a backup.")
         effects.append(record)
     return effects, scan
 
 
-def read_snapshot(path: Path, generation: int) -> KVState:
-    """The state held by a snapshot file; RendezvousStateError if it is damaged in any way."""
+def read_snapshot(path: Path, generation: int) -> tuple[KVState, dict[int, SessionRequest]]:
+    """The state held by a snapshot file, and each session's last write; RendezvousStateError
+    if it is damaged in any way."""
     data = read_file(path)
     check_header(data, path, SNAPSHOT_MAGIC, generation)
     scan = scan_records(data, _FILE_HEADER.size)
@@ -229,11 +252,15 @@ def read_snapshot(path: Path, generation: int) -> KVState:
         raise corrupt(path, scan.end, scan.problem, advice)
     state = KVState()
     paths: dict[str, int] = {}
+    requests: dict[int, SessionRequest] = {}
     meta: _SnapshotMeta | None = None
     counts = {_SnapshotMeta: 0, Put: 0, SessionOpen: 0, _PathRevision: 0}
     for offset, payload in scan.records:
         record = _decode_at(path, offset, payload, advice)
         kind = type(record)
+        if kind is SessionRequest and meta is not None:
+            requests[record.session] = record  # type: ignore[union-attr]
+            continue
         if kind not in counts or (meta is None) != (kind is _SnapshotMeta):
             raise corrupt(path, offset, f"a misplaced {kind.__name__} record", advice)
         counts[kind] += 1
@@ -249,11 +276,13 @@ def read_snapshot(path: Path, generation: int) -> KVState:
                        f"kind (meta, keys, sessions, paths) instead of {expected}", advice)
     assert meta is not None
     state.restore_revisions(meta.revision, meta.last_session, paths)
-    return state
+    return state, requests
 
 
-def write_snapshot(path: Path, state: KVState, generation: int) -> int:
-    """Write ``state`` to ``path`` and fsync it; its size in bytes."""
+def write_snapshot(
+    path: Path, state: KVState, generation: int, requests: dict[int, SessionRequest]
+) -> int:
+    """Write ``state`` and the sessions' last writes to ``path`` and fsync it; its size."""
     items = state.items()
     paths = state.path_revisions()
     sessions = dict(state.session_ttls)
@@ -265,6 +294,9 @@ def write_snapshot(path: Path, state: KVState, generation: int) -> int:
             file.write(encode(Put(state.path_revision(key), key, value, session)))
         for session, ttl in sessions.items():
             file.write(encode(SessionOpen(session, ttl)))
+        for session, request in requests.items():
+            if session in sessions:
+                file.write(encode(request))
         for name, revision in paths.items():
             file.write(encode(_PathRevision(name, revision)))
         file.flush()
