@@ -429,12 +429,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             keys.status(next_round), keys.nodes(next_round), keys.expect_dir(next_round)
         )
         reads = self._store.read_many([status, keys.closed, keys.sealed], [nodes, expect_dir])
+        latest_sealed = decode_int(keys.sealed, reads.values[keys.sealed], -1)
         return membership_changed(
             closed=reads.values[status] is not None or reads.values[keys.closed] is not None,
             waiting=reads.counts[nodes],
             alive_members=reads.counts[expect_dir],
             world_size=member.world_size,
-            newer_round_sealed=decode_int(keys.sealed, reads.values[keys.sealed], -1) > member.round,
+            newer_round_sealed=latest_sealed > member.round,
         )
 
     def _reserve_port(self) -> int:
