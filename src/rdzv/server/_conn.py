@@ -100,8 +100,8 @@ class Conn:
         if n == 0:
             self.lost(None)
             return
-        self.last_recv = _monotonic()
         self.received(self.core.rview[:n].tobytes())
+        self.last_recv = _monotonic()  # (after the answers: not on the way to them)
 
     def received(self, data: bytes) -> None:
         """Handle the bytes ``data`` read from the client: every whole frame in them.
@@ -233,8 +233,8 @@ class Conn:
         out = self.out
         if not out or self.closed:
             return
-        self.out = []
         data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()  # (the same list: received() may be appending to it)
         if self.unsent:
             self.unsent += data
         else:

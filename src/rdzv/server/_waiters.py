@@ -39,6 +39,7 @@ class Waiters:
 
     loop: EventLoop
     state: KVState
+    wal: object | None
     waiters: dict[str, set[Waiter]]
 
     def add_waiter(self, w: Waiter, wait_ms: int) -> None:
@@ -75,12 +76,15 @@ class Waiters:
                 ws = reg.get(path)
                 if ws:
                     hit.extend(ws)
+        send_now = self.wal is None  # else the answers wait for the log
         for w in hit:
             if not w.done:
                 resp = self.answer_now(w)
                 if resp is not None:
                     self.remove_waiter(w)
                     w.conn.queue(resp)
+                    if send_now:  # the first woken clients run while the others are answered
+                        w.conn.flush_out()
 
     def answer_now(self, w: Waiter) -> bytes | None:
         """The response for ``w`` if it can be answered now, else None."""
