@@ -16,7 +16,9 @@ import pytest
 
 from rdzv.etcd._http import HTTPConnection, HTTPProtocolError
 
-OK_LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"
+OK_LENGTH = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"
+)
 ERROR_WITH_TRAILER = (
     b"HTTP/1.1 404 Not Found\r\nTrailer: Grpc-Trailer-Content-Type\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n6\r\n{\"x\":1\r\n1\r\n}\r\n0\r\n"

@@ -50,7 +50,8 @@ def handled(etcd: LocalEtcd) -> dict[str, int]:
     """etcd's count of handled gRPC calls per method (what the JSON gateway forwarded)."""
     text = urllib.request.urlopen(f"{etcd.url}/metrics", timeout=30).read().decode()
     counts: dict[str, int] = {}
-    for method, value in re.findall(r'grpc_server_handled_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\S+)', text):
+    pattern = r'grpc_server_handled_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\S+)'
+    for method, value in re.findall(pattern, text):
         counts[method] = counts.get(method, 0) + int(float(value))
     return counts
 

@@ -96,9 +96,8 @@ class HTTPConnection:
         self._reusable = False
         if head.get("transfer-encoding", "").lower() != "chunked":
             self._stream_chunked = False
-            self._chunk_left = _int_header(head, "content-length") if "content-length" in head else 0
-            if self._chunk_left == 0:
-                self._chunk_left = -1
+            length = _int_header(head, "content-length") if "content-length" in head else 0
+            self._chunk_left = length if length > 0 else -1
 
     def next_line(self, timeout: float) -> bytes:
         """The next newline-terminated line of a chunked answer (b"" once the stream ended).
@@ -170,7 +169,8 @@ class HTTPConnection:
         try:
             return int(line, 16)
         except ValueError:
-            raise HTTPProtocolError(f"{self.endpoint} sent a bad chunk size {line[:20]!r}") from None
+            message = f"{self.endpoint} sent a bad chunk size {line[:20]!r}"
+            raise HTTPProtocolError(message) from None
 
     def _skip_trailers(self) -> None:
         """Read the trailer fields after a chunked body's last chunk, up to the empty line."""

@@ -50,7 +50,8 @@ class WriteBehindClient(EtcdClient):
         self, path: str, body: dict[str, Any], retry_ambiguous: bool
     ) -> dict[str, Any]:
         ops = body.get("success", [])
-        if path == "kv/txn" and not body.get("compare") and len(self._held) + len(ops) <= MAX_TXN_OPS:
+        fits = len(self._held) + len(ops) <= MAX_TXN_OPS
+        if path == "kv/txn" and not body.get("compare") and fits:
             folded = len(self._held)
             answer = self._send_held(ops, retry_ambiguous)
             answer["responses"] = answer.get("responses", [])[folded:]

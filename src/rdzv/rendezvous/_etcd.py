@@ -41,7 +41,7 @@ _ARRIVAL_COUNTER = re.compile(_ROUND + "count$")
 _CONTROL_DIR = re.compile(_ROUND + "ctl/$")
 """The directories the engine's joiners wait on (:meth:`RunKeys.ctl`)."""
 _JOINER_KEY = re.compile(_ROUND + "(nodes|back|ctl/expect)/[0-9]+$")
-"""A joiner's ephemeral keys (:meth:`RunKeys.node`, :meth:`RunKeys.back`, :meth:`RunKeys.expect`)."""
+"""A joiner's ephemeral keys (:meth:`RunKeys.node`, ``back`` and ``expect``)."""
 _SEALER_LOCK = "sealer"
 """The lock key in a control directory (:meth:`RunKeys.sealer`)."""
 
