@@ -155,7 +155,8 @@ class Conn:
                         sess.last_rid = rid  # type: ignore[union-attr]
                         sess.last_resp = resp  # type: ignore[union-attr]
                         if core.wal is not None:  # logged after the write's own effects
-                            core.state.effects.append(SessionRequest(sess.id, rid, resp))  # type: ignore[union-attr]
+                            effects: list = core.state.effects  # type: ignore[assignment]
+                            effects.append(SessionRequest(sess.id, rid, resp))  # type: ignore[union-attr]
                     else:
                         resp = self._resent(op, rid)
                     if resp is not None:
@@ -395,8 +396,8 @@ class Conn:
             self.phase = 1
             self.queue(P.encode_challenge(P.HS_OK, core.secret is not None, self.server_nonce))
             return
-        hello = self.hello
-        assert hello is not None
+        greeted = self.hello
+        assert greeted is not None
         try:
             mac = P.decode_auth(body)
         except P.ProtocolError as exc:
@@ -404,7 +405,7 @@ class Conn:
             return
         proof = b""
         if core.secret is not None:
-            expected = _auth.client_proof(core.secret, hello.nonce, self.server_nonce)
+            expected = _auth.client_proof(core.secret, greeted.nonce, self.server_nonce)
             if not mac or not _auth.verify(expected, mac):
                 why = (
                     "the server requires a shared secret and the client sent none"
@@ -416,20 +417,20 @@ class Conn:
                     P.encode_welcome(P.HS_AUTH_FAILED, message=f"authentication failed: {why}"),
                 )
                 return
-            proof = _auth.server_proof(core.secret, hello.nonce, self.server_nonce)
-        sess, resumed = core.attach_session(self, hello)
+            proof = _auth.server_proof(core.secret, greeted.nonce, self.server_nonce)
+        sess, resumed = core.attach_session(self, greeted)
         self.session = sess
-        self.ttl = hello.ttl
+        self.ttl = greeted.ttl
         self.phase = READY
         self.max_frame = core.max_frame_size
         self.hello = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if hello.ttl > 0:
-            self.arm_ttl(self.last_recv + hello.ttl)
+        if greeted.ttl > 0:
+            self.arm_ttl(self.last_recv + greeted.ttl)
         self.queue(
-            P.encode_welcome(P.HS_OK, sess.id, resumed, core.max_frame_size, hello.ttl, proof)
+            P.encode_welcome(P.HS_OK, sess.id, resumed, core.max_frame_size, greeted.ttl, proof)
         )
         log.debug("%s: session %d %s", self.peer, sess.id, "resumed" if resumed else "opened")
 

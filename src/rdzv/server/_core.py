@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..store._base import DEFAULT_SESSION_TTL
 from ..store._state import KVState

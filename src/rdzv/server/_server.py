@@ -185,15 +185,15 @@ class StoreServer:
         """Serve in this thread until SIGINT/SIGTERM (when in the main thread) or stop()."""
         self._claim()
         self._open()
-        previous: dict[int, Any] = {}
+        previous: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
             self._run()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for restored, handler in previous.items():
+                signal.signal(restored, handler)
         if self._core is not None and self._core.failed is not None:
             raise StoreError(f"the store server stopped: {self._core.failed}") from self._core.failed
 

@@ -8,7 +8,7 @@ and answered the moment a write touches one of them and satisfies it, or when it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..store._base import dir_paths
 from ..store._state import KVState
@@ -39,7 +39,7 @@ class Waiters:
 
     loop: EventLoop
     state: KVState
-    wal: object | None
+    wal: Any
     waiters: dict[str, set[Waiter]]
 
     def add_waiter(self, w: Waiter, wait_ms: int) -> None:

@@ -258,8 +258,8 @@ def read_snapshot(path: Path, generation: int) -> tuple[KVState, dict[int, Sessi
     for offset, payload in scan.records:
         record = _decode_at(path, offset, payload, advice)
         kind = type(record)
-        if kind is SessionRequest and meta is not None:
-            requests[record.session] = record  # type: ignore[union-attr]
+        if isinstance(record, SessionRequest) and meta is not None:
+            requests[record.session] = record
             continue
         if kind not in counts or (meta is None) != (kind is _SnapshotMeta):
             raise corrupt(path, offset, f"a misplaced {kind.__name__} record", advice)
