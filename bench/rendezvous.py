@@ -6,8 +6,8 @@ How nodes are simulated: every node has its own handler and its own store connec
 TCPStore client with its session; torch: a TCPStore client), and calls next_rendezvous from its
 own thread of control; the nodes are spread over ``--procs`` worker processes (default 8), all on
 127.0.0.1. Up to 1000 nodes (``--nodes auto``) each node is an OS thread. Above that rdzv's nodes
-are gevent greenlets (``pip install gevent``): the worker runs under ``python -m gevent.monkey``,
-so the unmodified blocking handler and TCPStore run cooperatively, one greenlet per node. Thousands
+are gevent greenlets (``pip install -e .[bench]`` installs gevent): the worker runs under
+``python -m gevent.monkey``, so the unmodified blocking handler and TCPStore run cooperatively, one greenlet per node. Thousands
 of OS threads per process do not simulate nodes: they measure CPython's GIL (waiting threads
 wake every 5 ms to claim it; at 10,000 nodes on 2 cores the load reached 1000 and the round never
 formed). torch's TCPStore client is C++ (gevent cannot switch inside it), so torch's nodes are

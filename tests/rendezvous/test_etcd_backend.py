@@ -244,16 +244,3 @@ def test_arrival_counter_gives_distinct_consecutive_indexes(
     assert stores[0].add("rdzv/job/round/3/user/count", 5) == 5, "other keys: a plain add"
 
 
-def test_waiters_ignore_the_sealer_taking_its_lock_but_not_releasing_it(
-    stores: list[RendezvousEtcdStore],
-) -> None:
-    a, b = stores[:2]
-    ctl = "rdzv/job/round/0/ctl/"
-    since = a.revision(ctl)
-    b.set(ctl + "sealer", "b", ephemeral=True)
-    assert a.watch(ctl, since, 1.0) <= since, "woken by the lock being taken"
-    b.delete_key(ctl + "sealer")
-    assert a.watch(ctl, since, 30.0) > since, "the released lock must wake the waiters"
-    since = a.revision(ctl)
-    b.set(ctl + "status", "x")
-    assert a.watch(ctl, since, 30.0) > since

@@ -203,8 +203,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + timeout
         path = self._keys.round(member.round + 1)
         while True:
-            since = self._store.revision(path)
-            if self._membership_changed(member):
+            changed, since = self._membership_changed(member, path)
+            if changed:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -267,14 +267,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._owned.append(keys.back(r, index))
             store.set(self._owned[-1], b"1", ephemeral=True)
         armed_since: float | None = None
-        since = store.revision(keys.ctl(r))
+        since = 0
         woken = False
         while True:
             if woken:  # most wake-ups are the seal: one read tells a member everything
                 raw = store.try_get(keys.rank(r, index))
                 if raw is not None:
                     return self._collect(r, index, raw, previous)
-            view = self._observe(r)
+            view, seen = self._observe(r)
+            since = max(since, seen)
             now = time.monotonic()
             step = decide(view, self._rules, now, deadline, armed_since)
             armed_since = step.armed_since
@@ -305,26 +306,30 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._delete_garbage()  # while idle
                 since, woken = self._watch(keys.ctl(r), since, step.wake_at - now), True
 
-    def _observe(self, r: int) -> RoundView:
-        """The round as seen now, in one :meth:`Store.read_many` (one round trip on TCPStore,
-        one transaction on etcd). Reads what the decision can need and nothing more: the armed
-        flag only if ``min_nodes < max_nodes``, the previous round's members only for r > 0."""
+    def _observe(self, r: int) -> tuple[RoundView, int]:
+        """The round as seen now and the revision of its ``ctl/`` to watch from, in one
+        :meth:`Store.read_many` (one round trip on TCPStore, one transaction on etcd). Reads what
+        the decision can need and nothing more: the armed flag only if ``min_nodes <
+        max_nodes``, the previous round's members only for r > 0."""
         keys, rules = self._keys, self._rules
         status_key, armed_key = keys.status(r), keys.armed(r)
         nodes, expect_dir, back_dir = keys.nodes(r), keys.expect_dir(r), keys.back_dir(r)
+        ctl = keys.ctl(r)
         may_arm = rules.min_nodes < rules.max_nodes
         reads = self._store.read_many(
             keys=[status_key, armed_key] if may_arm else [status_key],
             counts=[nodes, expect_dir, back_dir] if r > 0 else [nodes],
+            revisions=[ctl],
         )
+        seen = reads.revisions[ctl]
         status = decode_status(status_key, reads.values[status_key])
         if status is not None:
-            return RoundView(status is True, status is not True, 0, 0, 0, False)
+            return RoundView(status is True, status is not True, 0, 0, 0, False), seen
         alive = reads.counts[nodes]
         expected = reads.counts.get(expect_dir, 0)
         armed = rules.min_nodes <= alive < rules.max_nodes and reads.values[armed_key] is not None
         rejoined = reads.counts[back_dir] if expected else 0
-        return RoundView(False, False, alive, rejoined, expected, armed)
+        return RoundView(False, False, alive, rejoined, expected, armed), seen
 
     def _try_seal(self, r: int, index: int) -> tuple[bool, bytes | None]:
         """Seal round r if this node gets the sealer lock.
@@ -421,14 +426,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._query_store = self._open_query_store()
             return self._query_store
 
-    def _membership_changed(self, member: Membership) -> bool:
-        """Whether a member should re-rendezvous, from one :meth:`Store.read_many`."""
+    def _membership_changed(self, member: Membership, path: str) -> tuple[bool, int]:
+        """Whether a member should re-rendezvous, and the revision of ``path`` to watch from,
+        from one :meth:`Store.read_many`."""
         keys = self._keys
         next_round = member.round + 1
         status, nodes, expect_dir = (
             keys.status(next_round), keys.nodes(next_round), keys.expect_dir(next_round)
         )
-        reads = self._store.read_many([status, keys.closed, keys.sealed], [nodes, expect_dir])
+        reads = self._store.read_many(
+            [status, keys.closed, keys.sealed], [nodes, expect_dir], revisions=[path]
+        )
         latest_sealed = decode_int(keys.sealed, reads.values[keys.sealed], -1)
         return membership_changed(
             closed=reads.values[status] is not None or reads.values[keys.closed] is not None,
@@ -436,7 +444,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             alive_members=reads.counts[expect_dir],
             world_size=member.world_size,
             newer_round_sealed=latest_sealed > member.round,
-        )
+        ), reads.revisions[path]
 
     def _reserve_port(self) -> int:
         """A port for this round's bootstrap store (held; the previous round's is released)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 from typing import Any, cast
 
 from ..errors import RendezvousParameterError
@@ -42,8 +41,6 @@ _CONTROL_DIR = re.compile(_ROUND + "ctl/$")
 """The directories the engine's joiners wait on (:meth:`RunKeys.ctl`)."""
 _JOINER_KEY = re.compile(_ROUND + "(nodes|back|ctl/expect)/[0-9]+$")
 """A joiner's ephemeral keys (:meth:`RunKeys.node`, ``back`` and ``expect``)."""
-_SEALER_LOCK = "sealer"
-"""The lock key in a control directory (:meth:`RunKeys.sealer`)."""
 
 
 class RendezvousEtcdStore(EtcdStore):
@@ -55,12 +52,12 @@ class RendezvousEtcdStore(EtcdStore):
       would make N joiners that arrive together retry O(N) times each on the one key. The
       counter's value is not a number then: only its version counts (the engine never reads
       it). Every other key and amount goes through :meth:`EtcdStore.add`.
-    * :meth:`revision` costs one request: the revision etcd is at now, and none right after an
-      arrival (its revision then). The engine only uses ``revision(path)`` as the ``since`` of
-      a later ``watch(path, since)`` after reading the state it depends on; any revision etcd
-      reached before that read is at or after the last change the read can see, so the watch
-      misses no change that follows it, and no node scans etcd's history for deletions (what
-      the exact :meth:`EtcdStore.revision` does once per path).
+    * A revision read (:meth:`revision`, or one in :meth:`read_many`) is the revision etcd is at
+      now. The engine only uses ``revision(path)`` as the ``since`` of a later ``watch(path,
+      since)``, read before (or with) the state it depends on; any revision etcd reached then
+      is at or after the last change that state can show, so the watch misses no change that
+      follows it, and no node scans etcd's history for deletions (what the exact
+      :meth:`EtcdStore.revision` does once per path).
     * A joiner's ephemeral keys (its descriptor, its liveness for the next round, its "back"
       mark) are held back and sent with its next request (:class:`WriteBehindClient`): that is
       its first look at the round, one transaction that puts them and then reads the round
@@ -70,17 +67,10 @@ class RendezvousEtcdStore(EtcdStore):
       stream, two watches): the sealer's write of the rank wakes it with the value, which the
       engine's next read of that key gets without a request. A rank key is written once per
       round, by the sealer, so the value seen is the one a read would return.
-    * A watch of a round's ``ctl/`` directory does not wake on the sealer taking its lock:
-      that put changes nothing any other joiner acts on (they would all re-read the round,
-      try the lock and wait again), while the lock's release (the sealer died) and every
-      other change of the directory still wake them. With N joiners this saves N wake-ups,
-      each several requests and a new watch, per round.
     """
 
     client_type = WriteBehindClient
 
-    _arrived_at: int | None = None
-    """etcd's revision at this client's last arrival (until the next :meth:`revision`)."""
     _rank: str | None = None
     """The rank key of this client's last arrival (:meth:`RunKeys.rank`)."""
     _delivered: tuple[str, bytes] | None = None
@@ -103,16 +93,9 @@ class RendezvousEtcdStore(EtcdStore):
             {"request_put": {"key": k, "value": ""}},
             {"request_range": {"key": k, "keys_only": True}},
         ]})  # fmt: skip
-        self._arrived_at = int(answer["header"]["revision"])
         count = int(answer["responses"][1]["response_range"]["kvs"][0]["version"])
         self._rank = f"{key[: -len('count')]}rank/{count - 1}"
         return count
-
-    def revision(self, path: str = "") -> int:
-        arrived_at, self._arrived_at = self._arrived_at, None
-        if arrived_at is not None and _CONTROL_DIR.match(path):
-            return arrived_at  # a joiner's first look at its round: its arrival is recent enough
-        return super().revision(path)
 
     def _revision_read(self, path: str) -> dict[str, Any]:
         return {**self._range(path), "count_only": True}
@@ -129,31 +112,22 @@ class RendezvousEtcdStore(EtcdStore):
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         if not _CONTROL_DIR.match(path):
             return super().watch(path, since, timeout)
-        deadline = time.monotonic() + to_seconds(timeout, self._timeout)
-        lock = self.etcd_key(path + _SEALER_LOCK)
+        seconds = to_seconds(timeout, self._timeout)
+        if seconds <= 0:
+            return int(since)
         rank = self._rank if self._rank and self._rank.startswith(path[: -len("ctl/")]) else None
-        start = int(since) + 1
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return int(since)
-            creates = [{**self._range(path), "start_revision": start}]
-            if rank is not None:
-                creates.append({"key": b64(self.etcd_key(rank)), "start_revision": int(since) + 1})
-            try:
-                events = self.client.watch(*creates, timeout=remaining)
-            except EtcdCompactedError:  # EtcdStore.watch reports it as a change
-                return super().watch(path, since, 0)
-            if not events:
-                return int(since)
-            wake = [
-                e for e in events if e.get("type") == "DELETE" or unb64(e["kv"]["key"]) != lock
-            ]
-            if wake:
-                if rank is not None:
-                    self._deliver(rank, wake)
-                return max(int(e["kv"]["mod_revision"]) for e in wake)
-            start = max(int(e["kv"]["mod_revision"]) for e in events) + 1
+        creates = [{**self._range(path), "start_revision": int(since) + 1}]
+        if rank is not None:
+            creates.append({"key": b64(self.etcd_key(rank)), "start_revision": int(since) + 1})
+        try:
+            events = self.client.watch(*creates, timeout=seconds)
+        except EtcdCompactedError:  # EtcdStore.watch reports it as a change
+            return super().watch(path, since, 0)
+        if not events:
+            return int(since)
+        if rank is not None:
+            self._deliver(rank, events)
+        return max(int(e["kv"]["mod_revision"]) for e in events)
 
     def _deliver(self, rank: str, events: list[dict[str, Any]]) -> None:
         """Keep this joiner's rank if ``events`` wrote it, for the engine's next read of it."""

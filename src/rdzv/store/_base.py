@@ -223,12 +223,14 @@ class Store(abc.ABC):
 
         Stores that can answer them in one round trip do so (TCPStore pipelines the requests,
         the etcd store sends one transaction); this default makes the calls one by one. The
-        answers need not come from one instant unless the implementation says so.
+        answers need not come from one instant, but the revisions are read first: a ``watch``
+        from one of them misses no change that the other answers do not already show.
         """
+        revision_of = {path: self.revision(path) for path in revisions}
         return Reads(
             {key: self.try_get(key) for key in keys},
             {prefix: self.count_keys(prefix) for prefix in counts},
-            {path: self.revision(path) for path in revisions},
+            revision_of,
         )
 
     def close(self) -> None:

@@ -207,11 +207,12 @@ class EtcdStore(Store):
         self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
     ) -> Reads:
         """All reads in one etcd transaction, so they come from one revision (several
-        transactions, each consistent, past etcd's limit of operations per transaction)."""
+        transactions, each consistent, past etcd's limit of operations per transaction; the
+        revisions first)."""
         asked: list[tuple[str, str, dict[str, Any]]] = (
-            [("value", k, {"key": b64(self.etcd_key(k))}) for k in keys]
+            [("revision", p, self._revision_read(p)) for p in revisions]
+            + [("value", k, {"key": b64(self.etcd_key(k))}) for k in keys]
             + [("count", p, {**self._prefix_range(p), "count_only": True}) for p in counts]
-            + [("revision", p, self._revision_read(p)) for p in revisions]
         )
         reads = Reads({}, {}, {})
         for start in range(0, len(asked), MAX_TXN_OPS):

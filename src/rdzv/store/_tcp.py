@@ -276,11 +276,11 @@ class TCPStore(StoreConnection, Store):
         revisions: Sequence[str] = (),
     ) -> Reads:
         """Several non-blocking reads in one round trip: the requests are sent together
-        (pipelined) and answered in order."""
+        (pipelined) and answered in order, the revisions first."""
         asked = [
+            *((P.OP_REVISION, p.encode(), "revision", p) for p in revisions),
             *((P.OP_GET, check_key(k).encode(), "try_get", k) for k in keys),
             *((P.OP_COUNT_KEYS, p.encode(), "count_keys", p) for p in counts),
-            *((P.OP_REVISION, p.encode(), "revision", p) for p in revisions),
         ]
         if not asked:
             return Reads({}, {}, {})
@@ -292,9 +292,11 @@ class TCPStore(StoreConnection, Store):
         for (status, payload), (_, _, what, name) in zip(answers, asked):
             if status:
                 raise self._error(status, payload, what, name)
+        revision_of = {p: P.decode_u64(payload) for p, (_, payload) in zip(revisions, answers)}
+        answers = answers[len(revision_of) :]
         values = {k: _found(payload) for k, (_, payload) in zip(keys, answers)}
         numbers = [P.decode_u64(payload) for _, payload in answers[len(values) :]]
-        return Reads(values, dict(zip(counts, numbers)), dict(zip(revisions, numbers[len(counts) :])))
+        return Reads(values, dict(zip(counts, numbers)), revision_of)
 
     def ping(self) -> None:
         """One round trip to the server (reconnecting if needed)."""
@@ -449,6 +451,8 @@ class _Keepalive:
         self._stores: "weakref.WeakSet[TCPStore]" = weakref.WeakSet()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._wake_at = 0.0
+        """When the thread wakes next: a store registered with an earlier ping due wakes it."""
 
     def register(self, store: TCPStore) -> None:
         with self._cond:
@@ -456,7 +460,8 @@ class _Keepalive:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="rdzv-store-keepalive", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif store._keepalive_due() < self._wake_at:
+                self._cond.notify()  # not for every store: each wake-up visits all of them
 
     def unregister(self, store: TCPStore) -> None:
         with self._cond:
@@ -479,6 +484,7 @@ class _Keepalive:
                     next_due = due
             del stores
             with self._cond:
+                self._wake_at = next_due
                 self._cond.wait(max(0.005, next_due - _monotonic()))
 
 
