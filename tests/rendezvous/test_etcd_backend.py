@@ -1,7 +1,7 @@
 """The rendezvous contract on the etcd backend, node processes on a real etcd (each version found).
 
 Also what only the etcd backend has: torch's legacy URL form, the key prefix, https with client
-certificates, user/password from the environment, a clear error naming an unreachable endpoint,
+certificates, user and password as options or from the environment, a clear error naming an unreachable endpoint,
 and a 3-member etcd cluster losing its leader in the middle of a rendezvous of several processes.
 Without an etcd binary these tests skip locally and fail under ``CI=true``.
 """
@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -25,7 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from etcd_testing import etcd_params, require_etcd  # noqa: E402
 from test_security import PASSWORD, auth_etcd, pki, tls_etcd  # noqa: E402,F401 (fixtures)
 
-from rdzv.errors import RendezvousConnectionError, RendezvousParameterError  # noqa: E402
+from rdzv.errors import (  # noqa: E402
+    RendezvousConnectionError,
+    RendezvousParameterError,
+    StoreAuthenticationError,
+)
 from rdzv.etcd import LocalEtcd, LocalEtcdCluster  # noqa: E402
 from rdzv.etcd._local import free_ports  # noqa: E402
 from rdzv.rendezvous import get_rendezvous_handler, parse_rendezvous_url  # noqa: E402
@@ -145,17 +150,58 @@ def test_https_with_client_certificates(
     check_round(form(start_nodes(nodes, 2, spec)), 2)
 
 
-def test_user_and_password_from_the_environment(
-    auth_etcd: LocalEtcd, nodes: list[ProcessNode], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+def test_user_and_password_as_options_or_from_the_environment(
+    auth_etcd: LocalEtcd, nodes: list[ProcessNode], monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
-    spec = {"backend": "etcd", "endpoint": auth_etcd.endpoint, "run_id": "auth", "min_nodes": 2,
-            "max_nodes": 2, "local_addr": "127.0.0.1", "etcd_prefix": "job/runs"}
+    """Three nodes, three ways to give the credentials: a password file, the password in the
+    URL, and the environment variables alone."""
+    password_file = tmp_path / "etcd-password"
+    password_file.write_text(PASSWORD + "\n")
+    base = f"etcd://{auth_etcd.endpoint}/auth?nnodes=3&etcd_prefix=job/runs&local_addr=127.0.0.1"
+    urls = [f"{base}&user=job&password_file={password_file}",
+            f"{base}&user=job&password={PASSWORD}", base]
+    specs = []
+    for url in urls:
+        params = parse_rendezvous_url(url)
+        specs.append({"backend": "etcd", "endpoint": params.endpoint, "run_id": params.run_id,
+                      "min_nodes": 3, "max_nodes": 3, "local_addr": params.local_addr,
+                      **params.config})
+    monkeypatch.delenv("RDZV_ETCD_USER", raising=False)
+    monkeypatch.delenv("RDZV_ETCD_PASSWORD", raising=False)
+    members = start_nodes(nodes, 1, specs[0]) + start_nodes(nodes, 1, specs[1])
     monkeypatch.setenv("RDZV_ETCD_USER", "job")
     monkeypatch.setenv("RDZV_ETCD_PASSWORD", PASSWORD)
-    check_round(form(start_nodes(nodes, 2, spec)), 2)
-    monkeypatch.delenv("RDZV_ETCD_PASSWORD")
-    with pytest.raises(RendezvousParameterError, match="RDZV_ETCD_PASSWORD"):
-        get_rendezvous_handler(f"etcd://{auth_etcd.endpoint}/auth?nnodes=2")
+    members += start_nodes(nodes, 1, specs[2])  # the environment alone
+    check_round(form(members), 3)
+
+
+def test_wrong_or_missing_credentials_say_how_to_give_them(
+    auth_etcd: LocalEtcd, monkeypatch: pytest.MonkeyPatch, tmp_path: Path  # noqa: F811
+) -> None:
+    monkeypatch.delenv("RDZV_ETCD_USER", raising=False)
+    monkeypatch.delenv("RDZV_ETCD_PASSWORD", raising=False)
+    base = f"etcd://{auth_etcd.endpoint}/auth?nnodes=2&read_timeout=5"
+    url = f"{base}&etcd_prefix=job/runs"
+    with pytest.raises(StoreAuthenticationError, match="as etcd user 'job'.*password_file"):
+        get_rendezvous_handler(f"{url}&user=job&password=wrong")
+    with pytest.raises(StoreAuthenticationError, match="without a user.*RDZV_ETCD_USER"):
+        get_rendezvous_handler(url)
+    with pytest.raises(StoreAuthenticationError, match="permission denied"):
+        get_rendezvous_handler(f"{base}&user=job&password={PASSWORD}&etcd_prefix=other")
+    with pytest.raises(RendezvousParameterError, match="without a password.*password_file"):
+        get_rendezvous_handler(f"{url}&user=job")
+    monkeypatch.setenv("RDZV_ETCD_PASSWORD", PASSWORD)
+    with pytest.raises(RendezvousParameterError, match="no user.*user=NAME.*RDZV_ETCD_USER"):
+        get_rendezvous_handler(url)
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(RendezvousParameterError, match=f"password_file '{missing}'"):
+        get_rendezvous_handler(f"{url}&user=job&password_file={missing}")
+    with pytest.raises(RendezvousParameterError, match="is empty"):
+        get_rendezvous_handler(f"{url}&user=job&password_file={empty}")
+    with pytest.raises(RendezvousParameterError, match="both given"):
+        get_rendezvous_handler(f"{url}&user=job&password=x&password_file={empty}")
 
 
 # -- a 3-member etcd cluster loses members during rendezvous ----------------------------------

@@ -7,8 +7,9 @@ vanish ``heartbeat_interval x heartbeat_misses`` seconds (at least 2) after its 
 and at once when it shuts down (the lease is revoked). Waiting nodes block on etcd watches.
 
 TLS: ``protocol=https`` with ``ca_cert`` and optionally ``ssl_cert``/``ssl_cert_key`` (torch's
-``cacert``/``cert``/``key`` work too). Authentication: the environment variables
-``RDZV_ETCD_USER`` and ``RDZV_ETCD_PASSWORD`` (kept out of URLs and command lines).
+``cacert``/``cert``/``key`` work too). Authentication: the options ``user`` and ``password`` or
+``password_file``, each else the environment variable ``RDZV_ETCD_USER`` / ``RDZV_ETCD_PASSWORD``
+(so that no secret needs to appear in a URL or command line).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import re
 from typing import Any, cast
 
-from ..errors import RendezvousParameterError
+from ..errors import RendezvousParameterError, StoreAuthenticationError
 from ..etcd._client import EtcdCompactedError, b64, unb64
 from ..etcd._writebehind import WriteBehindClient
 from ..store._base import Timeout, Value, to_bytes, to_seconds
@@ -142,6 +143,55 @@ def key_prefix(etcd_prefix: str) -> str:
     return etcd_prefix.rstrip("/") + "/"
 
 
+def _credentials(params: RendezvousParameters) -> tuple[str, str] | None:
+    """``(user, password)`` from the options ``user`` and ``password``/``password_file``, each
+    else from the environment; None when neither a user nor a password is given anywhere."""
+    user = params.get_option("user") or os.environ.get(USER_ENV) or None
+    given = {
+        name: params.get_option(name)
+        for name in ("password", "password_file")
+        if params.get_option(name)
+    }
+    if len(given) > 1:
+        raise RendezvousParameterError(
+            "the etcd rendezvous options password and password_file were both given: give one"
+        )
+    if "password_file" in given:
+        password: str | None = _read_password(given["password_file"])
+    else:
+        password = given.get("password") or os.environ.get(PASSWORD_ENV) or None
+    if user is None and password is None:
+        return None
+    if user is None:
+        raise RendezvousParameterError(
+            f"an etcd password was given but no user: set the rendezvous option user=NAME "
+            f"or the environment variable {USER_ENV}"
+        )
+    if password is None:
+        raise RendezvousParameterError(
+            f"etcd user {user!r} was given without a password: set the rendezvous option "
+            f"password_file=PATH (or password=...) or the environment variable {PASSWORD_ENV}"
+        )
+    return user, password
+
+
+def _read_password(path: str) -> str:
+    """The password in file ``path`` without its trailing newline; a parameter error if the
+    file cannot be read or is empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RendezvousParameterError(
+            f"cannot read the etcd password_file {path!r}: {exc}"
+        ) from exc
+    if not password:
+        raise RendezvousParameterError(
+            f"the etcd password_file {path!r} is empty: write the etcd user's password into it"
+        )
+    return password
+
+
 def store_options(params: RendezvousParameters) -> dict[str, Any]:
     """The EtcdStore keywords of ``params``: TLS files, credentials, timeouts, session ttl."""
     options: dict[str, Any] = {
@@ -149,14 +199,9 @@ def store_options(params: RendezvousParameters) -> dict[str, Any]:
         for name in _TLS_OPTIONS
         if params.get_option(name) is not None
     }
-    user, password = os.environ.get(USER_ENV), os.environ.get(PASSWORD_ENV)
-    if (user is None) != (password is None):
-        raise RendezvousParameterError(
-            f"etcd authentication needs both {USER_ENV} and {PASSWORD_ENV} in the environment "
-            f"(only {USER_ENV if user is not None else PASSWORD_ENV} is set)"
-        )
-    if user is not None:
-        options.update(user=user, password=password)
+    credentials = _credentials(params)
+    if credentials is not None:
+        options.update(user=credentials[0], password=credentials[1])
     read_timeout = params.get_option("read_timeout")
     ttl = params.get_option("heartbeat_interval") * params.get_option("heartbeat_misses")
     options.update(
@@ -184,6 +229,13 @@ def open_store(params: RendezvousParameters) -> RendezvousEtcdStore:
     except ValueError as exc:  # EtcdOptions: a bad endpoint, TLS file or option combination
         raise RendezvousParameterError(
             f"bad etcd rendezvous settings for {params.endpoint!r}: {exc}"
+        ) from exc
+    except StoreAuthenticationError as exc:  # the first request: credentials or permissions
+        who = f"as etcd user {options['user']!r}" if "user" in options else "without a user"
+        raise StoreAuthenticationError(
+            f"{exc}. The rendezvous connected {who}: its etcd credentials are the options "
+            f"user and password_file (or password), else the environment variables "
+            f"{USER_ENV} and {PASSWORD_ENV}"
         ) from exc
     try:
         store.session.id()  # the node's lease now, not on the rendezvous' critical path

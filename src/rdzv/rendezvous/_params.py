@@ -131,11 +131,16 @@ _ROUND_OPTIONS = (
            "dynamic backends use join_timeout.", minimum=0),
 )
 
-_TLS_OPTIONS = (
+_ETCD_OPTIONS = (
     Option("protocol", str, "http", "http or https.", choices=("http", "https")),
     Option("ca_cert", str, None, "CA certificate file (https).", aliases=("cacert",)),
     Option("ssl_cert", str, None, "Client certificate file (https).", aliases=("cert",)),
     Option("ssl_cert_key", str, None, "Key of the client certificate (https).", aliases=("key",)),
+    Option("user", str, None, "etcd user name (else env RDZV_ETCD_USER); needs a password."),
+    Option("password", str, None, "The etcd user's password. A URL or command line shows it "
+           "to every process lister: prefer password_file or env RDZV_ETCD_PASSWORD."),
+    Option("password_file", str, None, "File holding the etcd user's password (a trailing "
+           "newline is not part of it)."),
     Option("etcd_prefix", str, "/rdzv", "Key prefix under which the runs live."),
 )
 
@@ -161,7 +166,7 @@ BACKENDS: dict[str, BackendSpec] = {
                     "directory shared by every node (NFS, Lustre)."),
         BackendSpec("memory", "none", _ROUND_OPTIONS, "Dynamic rendezvous inside one process "
                     "(HashStore), for tests."),
-        BackendSpec("etcd", "host", _ROUND_OPTIONS + _TLS_OPTIONS, "Dynamic rendezvous on "
+        BackendSpec("etcd", "host", _ROUND_OPTIONS + _ETCD_OPTIONS, "Dynamic rendezvous on "
                     "etcd v3; the endpoint may list several host:port separated by commas.",
                     2379),
         BackendSpec("static", "host", (
