@@ -1,7 +1,7 @@
 """Store speed: rdzv's TCPStore and store server against torch's TCPStore, side by side.
 
 Run: ``.venv/bin/python bench/store.py [--ops 20000] [--rounds 3] [--waiters 1000] [--procs 4]
-[--no-torch]``
+[--wake-rounds 5] [--no-torch]``
 
 Both servers run in a process of their own (rdzv: ``python -m rdzv.server``; torch: a process
 holding a master ``torch.distributed.TCPStore``, its C++ server), all on 127.0.0.1.
@@ -12,9 +12,10 @@ holding a master ``torch.distributed.TCPStore``, its C++ server), all on 127.0.0
   loaded machine than the rate). The implementations take turns for ``--rounds`` rounds and the
   best round of each is shown (this machine is shared: the best round is the least disturbed).
 * wake-up: ``--waiters`` clients (one connection and one thread each, spread over ``--procs``
-  processes) block in ``get("go")``; once all are counted in (plus a settling second) this
-  process calls ``set("go")``. The time from the set until the last client returned
-  (``time.time()`` is shared by the processes of one machine).
+  processes) block in ``get("go<r>")``; once all are counted in (plus a settling second) this
+  process calls ``set("go<r>")``. The time from the set until the last client returned
+  (``time.time()`` is shared by the processes of one machine). The waiters of both
+  implementations stay up for ``--wake-rounds`` rounds, taken in turns; the median is shown.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -131,60 +133,97 @@ def throughput(impl: str, port: int, ops: int, server_pid: int) -> tuple[float, 
     return 2 * pairs / elapsed, client_us, server_us
 
 
-def waiter_process(impl: str, port: int, count: int) -> None:
-    """(In a child process) ``count`` clients block in get("go"); report the last wake-up."""
-    stores = [CLIENTS[impl](port) for _ in range(count)]
-    woken: list[float] = []
+def waiter_process(impl: str, port: int, count: int, rounds: int) -> None:
+    """(In a child process) ``count`` clients block in get("go<r>") for each round r; report
+    each round's last wake-up as one JSON line."""
+    # (the other implementation's turns, and its slow start, pass while these wait)
+    stores = [CLIENTS[impl](port, timeout=900) for _ in range(count)]
+    woken: list[list[float]] = [[] for _ in range(rounds)]
+    all_woken = [threading.Event() for _ in range(rounds)]
     lock = threading.Lock()
 
     def wait(store: Any) -> None:
-        store.add("ready", 1)
-        store.get("go")
-        now = time.time()
-        with lock:
-            woken.append(now)
+        for r in range(rounds):
+            store.add(f"ready{r}", 1)
+            store.get(f"go{r}")
+            now = time.time()
+            with lock:
+                woken[r].append(now)
+                if len(woken[r]) == count:
+                    all_woken[r].set()
 
     threads = [threading.Thread(target=wait, args=(s,), daemon=True) for s in stores]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
-    print(json.dumps({"woken": len(woken), "last": max(woken)}), flush=True)
+    for r in range(rounds):
+        all_woken[r].wait(300)
+        print(json.dumps({"woken": len(woken[r]), "last": max(woken[r])}), flush=True)
 
 
-def wake_up(impl: str, port: int, waiters: int, procs: int) -> float:
-    """Seconds from one set until all ``waiters`` blocked clients returned."""
-    main = CLIENTS[impl](port)
-    share = [waiters // procs + (1 if i < waiters % procs else 0) for i in range(procs)]
-    children = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--_waiters", impl, str(port), str(n)],
-            stdout=subprocess.PIPE,
-            env=child_env(),
-            text=True,
-        )
-        for n in share
-        if n
-    ]
-    deadline = time.monotonic() + 300
-    while int(main.add("ready", 0)) < waiters:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{impl}: the waiters did not all start")
-        time.sleep(0.05)
-    time.sleep(1.0)  # let the last get() reach its server
-    started = time.time()
-    main.set("go", "now")
-    last = 0.0
-    woken = 0
-    for child in children:
-        assert child.stdout is not None
-        report = json.loads(child.stdout.readline())
-        woken += report["woken"]
-        last = max(last, report["last"])
-        child.wait()
-    if woken != waiters:
-        raise RuntimeError(f"{impl}: {woken} of {waiters} waiters woke up")
-    return last - started
+class WakeUp:
+    """``--waiters`` clients of one implementation, spread over ``--procs`` processes, that
+    block in get("go<r>") round after round; :meth:`measure` releases one round."""
+
+    def __init__(self, impl: str, port: int, waiters: int, procs: int, rounds: int) -> None:
+        self.impl, self.waiters = impl, waiters
+        self.main = CLIENTS[impl](port)
+        share = [waiters // procs + (1 if i < waiters % procs else 0) for i in range(procs)]
+        self.children = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--_waiters", impl, str(port), str(n), str(rounds)],
+                stdout=subprocess.PIPE,
+                env=child_env(),
+                text=True,
+            )
+            for n in share
+            if n
+        ]
+
+    def measure(self, r: int) -> float:
+        """Seconds from one set of "go<r>" until all waiters of round ``r`` returned."""
+        deadline = time.monotonic() + 300
+        while int(self.main.add(f"ready{r}", 0)) < self.waiters:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.impl}: the waiters did not all start")
+            time.sleep(0.05)
+        time.sleep(1.0)  # let the last get() reach its server
+        started = time.time()
+        self.main.set(f"go{r}", "now")
+        last = 0.0
+        woken = 0
+        for child in self.children:
+            assert child.stdout is not None
+            report = json.loads(child.stdout.readline())
+            woken += report["woken"]
+            last = max(last, report["last"])
+        if woken != self.waiters:
+            raise RuntimeError(f"{self.impl}: {woken} of {self.waiters} waiters woke up")
+        return last - started
+
+    def close(self) -> None:
+        for child in self.children:
+            child.kill()
+            child.wait()
+
+
+def wake_ups(impls: list[str], waiters: int, procs: int, rounds: int) -> dict[str, list[float]]:
+    """The wake-up times of each implementation in ``rounds`` rounds, taken in turns."""
+    servers = {impl: SERVERS[impl]() for impl in impls}
+    groups: dict[str, WakeUp] = {}
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    try:
+        for impl in impls:
+            groups[impl] = WakeUp(impl, servers[impl][1], waiters, procs, rounds)
+        for r in range(rounds):
+            for impl in impls:
+                times[impl].append(groups[impl].measure(r))
+    finally:
+        for group in groups.values():
+            group.close()
+        for proc, _ in servers.values():
+            proc.kill()
+            proc.wait()
+    return times
 
 
 def main() -> None:
@@ -193,12 +232,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per implementation")
     parser.add_argument("--waiters", type=int, default=1000, help="clients blocked in get")
     parser.add_argument("--procs", type=int, default=4, help="processes the waiters are spread over")
+    parser.add_argument("--wake-rounds", type=int, default=5, help="wake-up rounds (median shown)")
     parser.add_argument("--no-torch", action="store_true", help="measure rdzv only")
-    parser.add_argument("--_waiters", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--_waiters", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._waiters:
-        impl, port, count = args._waiters
-        waiter_process(impl, int(port), int(count))
+        impl, port, count, rounds = args._waiters
+        waiter_process(impl, int(port), int(count), int(rounds))
         return
 
     impls = ["rdzv"]
@@ -213,15 +253,9 @@ def main() -> None:
     best: dict[str, float] = {}
     client_cpu: dict[str, float] = {}
     server_cpu: dict[str, float] = {}
-    wake: dict[str, float] = {}
     load_before = os.getloadavg()[0]
-    for impl in impls if args.waiters else []:
-        proc, port = SERVERS[impl]()
-        try:
-            wake[impl] = wake_up(impl, port, args.waiters, args.procs)
-        finally:
-            proc.kill()
-            proc.wait()
+    wake_times = wake_ups(impls, args.waiters, args.procs, args.wake_rounds) if args.waiters else {}
+    wake = {impl: statistics.median(times) for impl, times in wake_times.items()}
     servers = {impl: SERVERS[impl]() for impl in impls}
     try:
         for _ in range(args.rounds):
@@ -257,7 +291,7 @@ def main() -> None:
     if wake:
         rows.append(
             (
-                f"wake {args.waiters} blocked gets, ms",
+                f"wake {args.waiters} blocked gets, ms (median)",
                 {i: f"{wake[i] * 1000:,.1f}" for i in impls},
                 wake["torch"] / wake["rdzv"] if with_torch else None,
             )
@@ -271,6 +305,8 @@ def main() -> None:
         if ratio is not None:
             line += f"{ratio:>13.2f}x"
         print(line)
+    for impl, times in wake_times.items():
+        print(f"wake-up rounds, {impl}, ms: " + ", ".join(f"{t * 1000:.1f}" for t in times))
     if "torch" in impls:
         print("(ratio > 1: rdzv faster or cheaper; for times and CPU it is torch's / rdzv's)")
     print(
