@@ -5,7 +5,12 @@ Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--n
 How nodes are simulated: every node has its own handler and its own store connection (rdzv: a
 TCPStore client with its session; torch: a TCPStore client), and calls next_rendezvous from its
 own thread of control; the nodes are spread over ``--procs`` worker processes (default 8), all on
-127.0.0.1. Up to 1000 nodes (``--nodes auto``) each node is an OS thread. Above that rdzv's nodes
+127.0.0.1. Each node has its own host address, as on a real cluster: node i's ``local_addr`` is
+a loopback address of its own (127.1.1.1, 127.1.1.2, ...), on which rdzv reserves the port of
+the round's bootstrap store (torch only uses it as the node's name). With all 10,000 nodes on
+127.0.0.1 the kernel's search for a free port among 10,000 reserved ones on one address took
+about 9 ms of CPU per reservation and dominated the round: a cost of the simulation, not of a
+cluster, where each host reserves one port. Up to 1000 nodes (``--nodes auto``) each node is an OS thread. Above that rdzv's nodes
 are gevent greenlets (``pip install -e .[bench]`` installs gevent): the worker runs under
 ``python -m gevent.monkey``, so the unmodified blocking handler and TCPStore run cooperatively, one greenlet per node. Thousands
 of OS threads per process do not simulate nodes: they measure CPython's GIL (waiting threads
@@ -63,7 +68,7 @@ def _rdzv_handler(spec: dict[str, Any]) -> Any:
     options = {"is_host": False, **spec.get("options", {})}
     return get_rendezvous_handler(RendezvousParameters(
         "tcp", f"{HOST}:{spec['port']}", spec["run_id"], spec["min"], spec["max"],
-        local_addr=HOST, **options,
+        local_addr=spec["addr"], **options,
     ))
 
 
@@ -82,7 +87,8 @@ def _torch_handler(spec: dict[str, Any]) -> Any:
     backend = C10dRendezvousBackend(store, spec["run_id"])
     timeout = RendezvousTimeout(**{k: timedelta(seconds=v) for k, v in spec.get("timeouts", {}).items()})
     return DynamicRendezvousHandler.from_backend(
-        spec["run_id"], store, backend, spec["min"], spec["max"], local_addr=HOST, timeout=timeout
+        spec["run_id"], store, backend, spec["min"], spec["max"], local_addr=spec["addr"],
+        timeout=timeout,
     )
 
 
@@ -128,10 +134,15 @@ def _watch(handler: Any, impl: str) -> float:
     return time.monotonic()
 
 
+def node_addr(i: int) -> str:
+    """Simulated node ``i``'s own loopback address (127.1.1.1, 127.1.1.2, ...)."""
+    return f"127.{1 + i // 62500}.{(i // 250) % 250 + 1}.{i % 250 + 1}"
+
+
 def worker_main(spec: dict[str, Any]) -> None:
     threading.stack_size(256 * 1024)
     make = _rdzv_handler if spec["impl"] == "rdzv" else _torch_handler
-    handlers = [make(spec) for _ in range(spec["count"])]
+    handlers = [make({**spec, "addr": node_addr(spec["first"] + i)}) for i in range(spec["count"])]
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
@@ -217,7 +228,11 @@ class Server:
 
 
 def start_workers(impl: str, port: int, counts: list[int], **spec: Any) -> list[Worker]:
-    workers = [Worker({"impl": impl, "port": port, "count": c, **spec}) for c in counts]
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    workers = [
+        Worker({"impl": impl, "port": port, "count": c, "first": f, **spec})
+        for c, f in zip(counts, firsts)
+    ]
     for worker in workers:
         assert worker.read() == {"ready": True}
     return workers
