@@ -30,6 +30,7 @@ REQUESTS = [
     (P.encode_revision(17, b"a/b"), P.OP_REVISION, ("a/b",)),
     (P.encode_watch(18, b"d/", 2**64 - 1, 5000), P.OP_WATCH, ("d/", 2**64 - 1, 5000)),
     (P.encode_close_session(19), P.OP_CLOSE_SESSION, ()),
+    (P.encode_watch_get(20, b"d/", 7, 0, "d/ü".encode()), P.OP_WATCH_GET, ("d/", "d/ü", 7, 0)),
 ]
 
 
@@ -57,6 +58,10 @@ def test_responses_round_trip() -> None:
     assert P.decode_values(P.payload_values([b"1", b""])) == [b"1", b""]
     assert P.decode_items(P.payload_items({"a": b"1", "ü": b"2"})) == {"a": b"1", "ü": b"2"}
     assert P.decode_u64(P.payload_u64(2**64 - 1)) == 2**64 - 1
+    assert P.decode_watch_get(P.payload_watch_get(3, None)) == (3, None)
+    assert P.decode_watch_get(P.payload_watch_get(4, b"")) == (4, b"")
+    with pytest.raises(P.ProtocolError, match="malformed watch_get"):
+        P.decode_watch_get(b"\x01")
 
 
 def test_handshake_round_trip() -> None:

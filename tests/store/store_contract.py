@@ -369,6 +369,18 @@ class StoreContract:
         assert store.watch("job/round", since, 30) > since
         writer.join(10)
 
+    def test_watch_get_answers_with_the_key(self, store: Store, client: Store) -> None:
+        since = store.revision("wg/ctl/")
+        assert store.watch_get("wg/ctl/", since, "wg/rank/0", SHORT) == (since, None)
+        writer = later(
+            SHORT, lambda: client.multi_set(["wg/rank/0", "wg/ctl/status"], [b"r0", b"sealed"])
+        )
+        rev, value = store.watch_get("wg/ctl/", since, "wg/rank/0", 30)
+        writer.join(10)
+        assert rev > since and value == b"r0"
+        store.set("wg/rank/1", b"")
+        assert store.watch_get("wg/ctl/", 0, "wg/rank/1", 30) == (rev, b"")
+
     def test_watch_woken_by_other_process(self, store: Store, spawn: Callable[[], Any]) -> None:
         peer = spawn()
         peer.wait_ready()

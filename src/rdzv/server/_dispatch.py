@@ -54,6 +54,7 @@ class RequestHandlers(Waiters):
         h[P.OP_REVISION] = self._op_revision
         h[P.OP_WATCH] = self._op_watch
         h[P.OP_CLOSE_SESSION] = self._op_close_session
+        h[P.OP_WATCH_GET] = self._op_watch_get
         return h
 
     def end_session(self, sess: "Session") -> None:  # pragma: no cover - provided by Core
@@ -176,6 +177,14 @@ class RequestHandlers(Waiters):
         if rev > since or wait_ms == 0:
             return P.ok(rid, P.U64.pack(rev))
         self.add_waiter(Waiter(conn, rid, P.OP_WATCH, [path], since), wait_ms)
+        return None
+
+    def _op_watch_get(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
+        path, key, since, wait_ms = _DEC[P.OP_WATCH_GET](buf, pos, end)
+        rev = self.state.path_revision(path)
+        if rev > since or wait_ms == 0:
+            return P.ok(rid, P.payload_watch_get(rev, self.state.get(key)))
+        self.add_waiter(Waiter(conn, rid, P.OP_WATCH_GET, [path], since, key), wait_ms)
         return None
 
     def _op_close_session(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:

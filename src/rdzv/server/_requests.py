@@ -36,6 +36,7 @@ from ._wire import (
     OP_SET,
     OP_WAIT,
     OP_WATCH,
+    OP_WATCH_GET,
     ProtocolError,
     REQ_HEAD,
     U32,
@@ -134,6 +135,11 @@ def encode_revision(rid: int, path: bytes) -> bytes:
 
 def encode_watch(rid: int, path: bytes, since: int, wait: int) -> bytes:
     return _WATCH.pack(17 + len(path), OP_WATCH, rid, since, wait) + path
+
+
+def encode_watch_get(rid: int, path: bytes, since: int, wait: int, key: bytes) -> bytes:
+    body = U32.pack(len(path)) + path + key
+    return _WATCH.pack(17 + len(body), OP_WATCH_GET, rid, since, wait) + body
 
 
 def encode_close_session(rid: int) -> bytes:
@@ -274,6 +280,13 @@ def _dec_watch(buf: bytes, pos: int, end: int) -> tuple[str, int, int]:
     return buf[pos + 12 : end].decode(), since, wait
 
 
+def _dec_watch_get(buf: bytes, pos: int, end: int) -> tuple[str, str, int, int]:
+    _need(pos + 12, end, "watch_get header")
+    since, wait = _WATCH_ARGS.unpack_from(buf, pos)
+    path, pos = _read_bytes(buf, pos + 12, end, "watch_get path")
+    return path.decode(), buf[pos:end].decode(), since, wait
+
+
 _SET_ARGS = struct.Struct("<BI")
 _SET_ARGS_unpack_from = _SET_ARGS.unpack_from
 _GET_ARGS = struct.Struct("<BII")
@@ -300,6 +313,7 @@ DECODERS: dict[int, Callable[[bytes, int, int], tuple]] = {
     OP_REVISION: _dec_rest_str,
     OP_WATCH: _dec_watch,
     OP_CLOSE_SESSION: _dec_empty,
+    OP_WATCH_GET: _dec_watch_get,
 }
 """Argument decoder per opcode: ``decoder(buf, pos, end) -> args``."""
 

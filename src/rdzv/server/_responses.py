@@ -49,6 +49,19 @@ def payload_u64(n: int) -> bytes:
     return U64.pack(n)
 
 
+def payload_watch_get(revision: int, value: bytes | None) -> bytes:
+    """WATCH_GET's answer: the path's revision, then the key's value if it exists."""
+    return U64.pack(revision) + (NOT_FOUND if value is None else FOUND + value)
+
+
+def decode_watch_get(payload: bytes) -> tuple[int, bytes | None]:
+    """(revision, value or None) of a WATCH_GET answer."""
+    if len(payload) < 9:
+        raise ProtocolError(f"malformed watch_get response ({len(payload)} bytes)")
+    (revision,) = U64.unpack_from(payload, 0)
+    return revision, payload[9:] if payload[8] else None
+
+
 def payload_values(values: Sequence[bytes]) -> bytes:
     return _strs(values)
 

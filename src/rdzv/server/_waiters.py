@@ -22,14 +22,17 @@ if TYPE_CHECKING:
 class Waiter:
     """A request waiting for keys to appear (get/wait/multi_get) or a path to change (watch)."""
 
-    __slots__ = ("conn", "rid", "op", "keys", "since", "timer", "done")
+    __slots__ = ("conn", "rid", "op", "keys", "since", "read", "timer", "done")
 
-    def __init__(self, conn: "Conn", rid: int, op: int, keys: list[str], since: int) -> None:
+    def __init__(
+        self, conn: "Conn", rid: int, op: int, keys: list[str], since: int, read: str = ""
+    ) -> None:
         self.conn = conn
         self.rid = rid
         self.op = op
         self.keys = keys  # the keys awaited, or [path] for a watch
         self.since = since
+        self.read = read  # the key whose value a watch_get answers with
         self.timer: Timer | None = None
         self.done = False
 
@@ -90,9 +93,9 @@ class Waiters:
         """The response for ``w`` if it can be answered now, else None."""
         state = self.state
         op = w.op
-        if op == P.OP_WATCH:
+        if op == P.OP_WATCH or op == P.OP_WATCH_GET:
             rev = state.path_revision(w.keys[0])
-            return P.ok(w.rid, P.U64.pack(rev)) if rev > w.since else None
+            return self._watch_answer(w, rev) if rev > w.since else None
         if op == P.OP_GET:
             value = state.get(w.keys[0])
             return None if value is None else P.ok(w.rid, value)
@@ -108,9 +111,14 @@ class Waiters:
         if w.done:
             return
         self.remove_waiter(w)
-        if w.op == P.OP_WATCH:
-            resp = P.ok(w.rid, P.U64.pack(self.state.path_revision(w.keys[0])))
+        if w.op == P.OP_WATCH or w.op == P.OP_WATCH_GET:
+            resp = self._watch_answer(w, self.state.path_revision(w.keys[0]))
         else:
             state = self.state
             resp = P.timeout(w.rid, [k for k in w.keys if not state.contains(k)])
         w.conn.queue(resp)
+
+    def _watch_answer(self, w: Waiter, revision: int) -> bytes:
+        if w.op == P.OP_WATCH:
+            return P.ok(w.rid, P.U64.pack(revision))
+        return P.ok(w.rid, P.payload_watch_get(revision, self.state.get(w.read)))

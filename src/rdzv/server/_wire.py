@@ -38,6 +38,7 @@ OP_COUNT_KEYS = 14
 OP_REVISION = 15
 OP_WATCH = 16
 OP_CLOSE_SESSION = 17
+OP_WATCH_GET = 18
 
 OP_NAMES = {
     OP_PING: "ping",
@@ -57,6 +58,7 @@ OP_NAMES = {
     OP_REVISION: "revision",
     OP_WATCH: "watch",
     OP_CLOSE_SESSION: "close_session",
+    OP_WATCH_GET: "watch_get",
 }
 
 MUTATING_OPS = frozenset({OP_SET, OP_ADD, OP_COMPARE_SET, OP_DELETE, OP_MULTI_SET, OP_APPEND})

@@ -212,6 +212,17 @@ class Store(abc.ABC):
         revision ``<= since`` instead of raising, so a caller can loop on its own deadline.
         """
 
+    def watch_get(
+        self, path: str, since: int, key: str, timeout: Timeout = None
+    ) -> tuple[int, bytes | None]:
+        """:meth:`watch`, then the value of ``key`` (None if missing): ``(revision, value)``.
+
+        For a waiter that, once woken, reads one key first (a joiner its rank): TCPStore
+        answers both in one round trip; this default makes the two calls.
+        """
+        revision = self.watch(path, since, timeout)
+        return revision, self.try_get(key)
+
     def read_many(
         self,
         keys: Sequence[str] = (),

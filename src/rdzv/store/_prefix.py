@@ -89,6 +89,11 @@ class PrefixStore(Store):
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         return self.underlying_store.watch(self._path(path), since, timeout)
 
+    def watch_get(
+        self, path: str, since: int, key: str, timeout: Timeout = None
+    ) -> tuple[int, bytes | None]:
+        return self.underlying_store.watch_get(self._path(path), since, self._k(key), timeout)
+
     def read_many(
         self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
     ) -> Reads:

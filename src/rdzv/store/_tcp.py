@@ -334,6 +334,22 @@ class TCPStore(StoreConnection, Store):
             if rev > since or _monotonic() >= deadline:
                 return rev
 
+    def watch_get(
+        self, path: str, since: int, key: str, timeout: Timeout = None
+    ) -> tuple[int, bytes | None]:
+        seconds = to_seconds(timeout, self._timeout)
+        deadline = _monotonic() + seconds
+        pb, kb = path.encode(), check_key(key).encode()
+        since = int(since)
+        while True:
+            _, payload = self._chunk(
+                lambda rid, wait: P.encode_watch_get(rid, pb, since, wait, kb),
+                deadline, "watch_get", path,
+            )
+            rev, value = P.decode_watch_get(payload)
+            if rev > since or _monotonic() >= deadline:
+                return rev, value
+
     def _get1(self, key: str, timeout: float, deadline: float | None = None) -> bytes:
         kb = key.encode()
         if deadline is None:

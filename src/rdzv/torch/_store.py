@@ -142,6 +142,11 @@ class TorchStore(dist.Store):
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         return self._store.watch(path, since, to_seconds(timeout, self._seconds()))
 
+    def watch_get(
+        self, path: str, since: int, key: str, timeout: Timeout = None
+    ) -> tuple[int, bytes | None]:
+        return self._store.watch_get(path, since, key, to_seconds(timeout, self._seconds()))
+
     def read_many(
         self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
     ) -> Reads:
