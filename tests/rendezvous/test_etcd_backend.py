@@ -29,6 +29,7 @@ from test_security import PASSWORD, auth_etcd, pki, tls_etcd  # noqa: E402,F401 
 from rdzv.errors import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousParameterError,
+    SessionExpiredError,
     StoreAuthenticationError,
 )
 from rdzv.etcd import LocalEtcd, LocalEtcdCluster  # noqa: E402
@@ -202,6 +203,75 @@ def test_wrong_or_missing_credentials_say_how_to_give_them(
         get_rendezvous_handler(f"{url}&user=job&password_file={empty}")
     with pytest.raises(RendezvousParameterError, match="both given"):
         get_rendezvous_handler(f"{url}&user=job&password=x&password_file={empty}")
+
+
+# -- a node whose lease expired (stopped longer than the ttl) comes back -------------------------
+
+def test_member_whose_lease_expired_rejoins_as_a_new_node(
+    etcd_server: LocalEtcd, nodes: list[ProcessNode]
+) -> None:
+    """SIGSTOP a member past its 4 s lease: the others form a round without it; SIGCONT it and
+    its next next_rendezvous() joins again as a new node (no error), and the others let it in."""
+    spec = {"backend": "etcd", "endpoint": etcd_server.endpoint, "run_id": "lapse",
+            "min_nodes": 2, "max_nodes": 3, "local_addr": "127.0.0.1", "join_timeout": 60.0,
+            "last_call_timeout": 60.0, "etcd_prefix": fresh_prefix(), **HUNG}
+    members = start_nodes(nodes, 3, spec)
+    first = form(members)
+    check_round(first, 3)
+    members[2].stop()
+    try:
+        assert members[0].call("wait_change", AT_ONCE) is True, "its lease expired"
+        second = form(members[:2])
+        check_round(second, 2)
+    finally:
+        members[2].resume()
+    revived = members[2].request("next")
+    assert members[0].call("wait_change", AT_ONCE) is True, "it waits for the next round"
+    third = form(members[:2]) + [revived.result(AT_ONCE)]
+    check_round(third, 3)
+    assert [r["rank"] for r in third[:2]] == [r["rank"] for r in second], "survivors keep ranks"
+    assert third[2]["rank"] == 2, "the revived node comes in as a new node"
+
+
+def test_joiner_whose_lease_expired_while_waiting_joins_again(
+    etcd_server: LocalEtcd, nodes: list[ProcessNode]
+) -> None:
+    """A node waiting alone in a round is SIGSTOPped past its lease (its descriptor vanishes):
+    after SIGCONT it notices at once and joins the same round again, so the round forms when
+    the second node comes (rather than both waiting for join_timeout)."""
+    spec = {"backend": "etcd", "endpoint": etcd_server.endpoint, "run_id": "lapse-joiner",
+            "min_nodes": 2, "max_nodes": 2, "local_addr": "127.0.0.1", "join_timeout": 60.0,
+            "etcd_prefix": fresh_prefix(), **HUNG}
+    other, stopped = start_nodes(nodes, 2, spec)
+    pending = stopped.request("next")
+    eventually(lambda: other.call("waiting") == 1, AT_ONCE, "it waits in round 0")
+    stopped.stop()
+    try:
+        eventually(lambda: other.call("waiting") == 0, AT_ONCE, "its lease expired")
+    finally:
+        stopped.resume()
+    eventually(lambda: other.call("waiting") == 1, AT_ONCE, "it joined round 0 again")
+    check_round([other.call("next", timeout=AT_ONCE), pending.result(AT_ONCE)], 2)
+
+
+def test_sealer_that_lost_its_lock_writes_nothing(etcd_server: LocalEtcd) -> None:
+    """A sealer whose lease expired (here: revoked on etcd) between taking the lock and writing
+    the decision: its decision and its lock release are refused, the new sealer's stand."""
+    prefix = key_prefix(fresh_prefix())
+    lock, status = "rdzv/job/round/0/sealer", "rdzv/job/round/0/ctl/status"
+    with RendezvousEtcdStore(etcd_server.endpoint, prefix=prefix, timeout=30) as old, \
+            RendezvousEtcdStore(etcd_server.endpoint, prefix=prefix, timeout=30) as new:
+        assert old.compare_set(lock, b"", b"old", ephemeral=True) == b"old"
+        new.client.call("lease/revoke", {"ID": old.session.id()})
+        assert new.compare_set(lock, b"", b"new", ephemeral=True) == b"new"
+        with pytest.raises(SessionExpiredError, match="sealer lock.*lease ttl"):
+            old.multi_set(["rdzv/job/round/0/rank/0", status], [b"old-rank", b"old-decision"])
+        old.set(lock, b"", ephemeral=True)  # the old sealer's release
+        assert new.try_get(lock) == b"new", "the lock is still the new sealer's"
+        assert new.try_get(status) is None and new.try_get("rdzv/job/round/0/rank/0") is None
+        new.multi_set([status], [b"decision"])
+        new.set(lock, b"", ephemeral=True)
+        assert (new.try_get(lock), new.try_get(status)) == (b"", b"decision")
 
 
 # -- a 3-member etcd cluster loses members during rendezvous ----------------------------------

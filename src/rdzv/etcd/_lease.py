@@ -59,6 +59,14 @@ class EtcdLease:
                 logger.debug("granted etcd lease %s (ttl %d s)", self._id, self.ttl)
             return self._id
 
+    def forget(self, reason: str) -> None:
+        """The caller found the lease gone (its keys deleted) and reports it: drop the lease
+        and any loss not yet reported, so the next :meth:`id` grants a new lease."""
+        with self._lock:
+            if self._id is not None:
+                logger.warning("etcd lease %s lost: %s", self._id, reason)
+            self._id, self._lost = None, None
+
     def lost(self, lease_id: str, reason: str, *, reported: bool = False) -> None:
         """Record that ``lease_id`` no longer exists (etcd said so).
 

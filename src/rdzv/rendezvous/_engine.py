@@ -25,6 +25,7 @@ from ..errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousTimeoutError,
+    SessionExpiredError,
 )
 from ..store import PrefixStore, Store
 from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
@@ -240,8 +241,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         previous = self._member
         # A member goes straight to the round after its own; a newer one makes it late there.
         round_ = previous.round + 1 if previous else self._latest_sealed() + 1
+        lapsed = False
         while True:
-            info = self._join_round(round_, previous, deadline)
+            try:
+                info = self._join_round(round_, previous, deadline)
+            except SessionExpiredError as exc:
+                if lapsed:
+                    raise
+                lapsed = True
+                self._forget_session(exc)
+                round_, previous = self._latest_sealed() + 1, None
+                continue
             if info is not None:
                 return info
             round_, previous = max(round_, self._latest_sealed()) + 1, None
@@ -270,7 +280,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         since = 0
         woken = False
         while True:
-            if woken:  # after a seal attempt: one read tells a member everything
+            if woken:  # most wake-ups are the seal: one read tells a member everything
                 raw = store.try_get(keys.rank(r, index))
                 if raw is not None:
                     return self._collect(r, index, raw, previous)
@@ -304,12 +314,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return self._collect(r, index, store.try_get(keys.rank(r, index)), previous)
             else:
                 self._delete_garbage()  # while idle
-                # Most wake-ups are the seal: the rank comes with the wake-up (one round trip).
-                since, raw = self._watch_get(
-                    keys.ctl(r), since, step.wake_at - now, keys.rank(r, index)
-                )
-                if raw is not None:
-                    return self._collect(r, index, raw, previous)
+                since, woken = self._watch(keys.ctl(r), since, step.wake_at - now), True
 
     def _observe(self, r: int) -> tuple[RoundView, int]:
         """The round as seen now and the revision of its ``ctl/`` to watch from, in one
@@ -458,6 +463,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._port = PortReservation(self._host)
         return self._port.port
 
+    def _forget_session(self, exc: SessionExpiredError) -> None:
+        """The store session (its ephemeral keys) expired: the others have dropped this node,
+        which joins again as a new node (its keys went with the session)."""
+        logger.warning("rendezvous %s: %s lost its session (%s); joining again as a new node",
+                       self._keys.run_id, self._node_id, exc)
+        self._member = None
+        self._owned, self._stale = [], []
+
     def _leave_round(self) -> None:
         """Drop out (timed out, closed, leaving): delete every key this node still has."""
         self._delete(self._owned + self._stale + self._garbage)
@@ -476,15 +489,5 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Returns the revision to wait after next time.
         """
-        return max(since, self._store.watch(path, since, self._wait_seconds(seconds)))
-
-    def _watch_get(
-        self, path: str, since: int, seconds: float, key: str
-    ) -> tuple[int, bytes | None]:
-        """:meth:`_watch`, and the value of ``key`` once woken (None if missing)."""
-        rev, value = self._store.watch_get(path, since, key, self._wait_seconds(seconds))
-        return max(since, rev), value
-
-    def _wait_seconds(self, seconds: float) -> float:
-        """``seconds``, at least 0 and at most one store timeout."""
-        return max(0.0, min(seconds, self._store.timeout.total_seconds()))
+        limit = self._store.timeout.total_seconds()
+        return max(since, self._store.watch(path, since, max(0.0, min(seconds, limit))))

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
-from ..errors import RendezvousParameterError, StoreAuthenticationError
-from ..etcd._client import EtcdCompactedError, b64, unb64
+from ..errors import RendezvousParameterError, SessionExpiredError, StoreAuthenticationError
+from ..etcd._client import MAX_TXN_OPS, EtcdCompactedError, b64, unb64
 from ..etcd._writebehind import WriteBehindClient
-from ..store._base import Timeout, Value, to_bytes, to_seconds
+from ..store._base import Reads, Timeout, Value, to_bytes, to_seconds
 from ..store._etcd import EtcdStore
 from ._api import RendezvousParameters
 from ._engine import DynamicRendezvousHandler
@@ -42,6 +42,8 @@ _CONTROL_DIR = re.compile(_ROUND + "ctl/$")
 """The directories the engine's joiners wait on (:meth:`RunKeys.ctl`)."""
 _JOINER_KEY = re.compile(_ROUND + "(nodes|back|ctl/expect)/[0-9]+$")
 """A joiner's ephemeral keys (:meth:`RunKeys.node`, ``back`` and ``expect``)."""
+_SEALER_LOCK = re.compile(_ROUND + "sealer$")
+"""The lock of the node that seals a round (:meth:`RunKeys.sealer`)."""
 
 
 class RendezvousEtcdStore(EtcdStore):
@@ -68,16 +70,30 @@ class RendezvousEtcdStore(EtcdStore):
       stream, two watches): the sealer's write of the rank wakes it with the value, which the
       engine's next read of that key gets without a request. A rank key is written once per
       round, by the sealer, so the value seen is the one a read would return.
+    * A lost lease is noticed, not waited out. A joiner whose process was stopped (or cut off
+      from etcd) longer than the lease ttl has lost its descriptor with the lease: its look at
+      the round also reads that key, and its watch also watches it for a deletion, so either
+      raises SessionExpiredError (and drops the dead lease) instead of waiting in a round that
+      no longer counts it; the engine then joins again as a new node. A sealer's decision and
+      the release of its lock are transactions on the lock still holding its node id: a sealer
+      that lost the lock to the lease's expiry (and so perhaps to a newer sealer) writes
+      nothing.
     """
 
     client_type = WriteBehindClient
 
     _rank: str | None = None
     """The rank key of this client's last arrival (:meth:`RunKeys.rank`)."""
+    _node: str | None = None
+    """The descriptor key of this client's last arrival (:meth:`RunKeys.node`)."""
     _delivered: tuple[str, bytes] | None = None
     """A rank key and its value, brought by a watch, for the next :meth:`try_get` of it."""
+    _sealer: tuple[str, bytes] | None = None
+    """The sealer lock this client took and the node id it holds it with."""
 
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
+        if self._sealer is not None and key == self._sealer[0]:
+            return self._release(*self._sealer)
         if not (ephemeral and _JOINER_KEY.match(key)):
             return super().set(key, value, ephemeral=ephemeral)
         client = cast(WriteBehindClient, self.client)
@@ -96,7 +112,65 @@ class RendezvousEtcdStore(EtcdStore):
         ]})  # fmt: skip
         count = int(answer["responses"][1]["response_range"]["kvs"][0]["version"])
         self._rank = f"{key[: -len('count')]}rank/{count - 1}"
+        self._node = f"{key[: -len('count')]}nodes/{count - 1}"
         return count
+
+    def compare_set(
+        self, key: str, expected: Value, desired: Value, *, ephemeral: bool = False
+    ) -> bytes:
+        result = super().compare_set(key, expected, desired, ephemeral=ephemeral)
+        if ephemeral and result and result == to_bytes(desired) and _SEALER_LOCK.match(key):
+            self._sealer = (key, result)
+        return result
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        if self._sealer is None or len(keys) != len(values):
+            return super().multi_set(keys, values)
+        lock, holder = self._sealer  # the seal: written only while this node holds the lock
+        holds = {"key": b64(self.etcd_key(lock)), "target": "VALUE", "result": "EQUAL",
+                 "value": b64(holder)}  # fmt: skip
+        items = list({self.etcd_key(k): to_bytes(v) for k, v in zip(keys, values)}.items())
+        for start in range(0, len(items), MAX_TXN_OPS):
+            ops = [{"request_put": self._put(k, v, None)}
+                   for k, v in items[start : start + MAX_TXN_OPS]]  # fmt: skip
+            answer = self.client.call("kv/txn", {"compare": [holds], "success": ops})
+            if not answer.get("succeeded"):
+                raise self._lease_lost(f"its sealer lock {lock!r}", "its decision was not written")
+        return None
+
+    def _release(self, lock: str, holder: bytes) -> None:
+        """Empty the sealer lock if this node still holds it (a quiet write that keeps the
+        lock's lease); a lock lost to the lease's expiry may be another node's by now."""
+        self._sealer = None
+        k = b64(self.etcd_key(lock))
+        self.client.call("kv/txn", {
+            "compare": [{"key": k, "target": "VALUE", "result": "EQUAL", "value": b64(holder)}],
+            "success": [{"request_put": {"key": k, "value": "", "ignore_lease": True}}],
+        })  # fmt: skip
+
+    def read_many(
+        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+    ) -> Reads:
+        node = self._node
+        if node is None or node[: node.rindex("/") + 1] not in counts:
+            return super().read_many(keys, counts, revisions)
+        # A joiner's look at its round: is its own descriptor (its lease) still there?
+        reads = super().read_many([*keys, node], counts, revisions)
+        if reads.values.pop(node) is None:
+            self._node = None
+            raise self._lease_lost(f"its descriptor {node!r}", "it is no longer in that round")
+        return reads
+
+    def _lease_lost(self, what: str, outcome: str) -> SessionExpiredError:
+        """The error for a key of this node's lease found gone; the lease is dropped, so the
+        next ephemeral write gets a new one."""
+        reason = (
+            f"this node's etcd lease expired ({what} is gone: the process was stopped or cut "
+            f"off from etcd longer than the lease ttl of {self.session.ttl} s, "
+            f"heartbeat_interval x heartbeat_misses); {outcome}"
+        )
+        self.session.forget(reason)
+        return SessionExpiredError(reason)
 
     def _revision_read(self, path: str) -> dict[str, Any]:
         return {**self._range(path), "count_only": True}
@@ -116,16 +190,25 @@ class RendezvousEtcdStore(EtcdStore):
         seconds = to_seconds(timeout, self._timeout)
         if seconds <= 0:
             return int(since)
-        rank = self._rank if self._rank and self._rank.startswith(path[: -len("ctl/")]) else None
-        creates = [{**self._range(path), "start_revision": int(since) + 1}]
+        round_path = path[: -len("ctl/")]
+        rank = self._rank if self._rank and self._rank.startswith(round_path) else None
+        node = self._node if self._node and self._node.startswith(round_path) else None
+        start = int(since) + 1
+        creates = [{**self._range(path), "start_revision": start}]
         if rank is not None:
-            creates.append({"key": b64(self.etcd_key(rank)), "start_revision": int(since) + 1})
+            creates.append({"key": b64(self.etcd_key(rank)), "start_revision": start})
+        if node is not None:  # its deletion: this node's lease expired
+            creates.append({"key": b64(self.etcd_key(node)), "start_revision": start,
+                            "filters": ["NOPUT"]})  # fmt: skip
         try:
             events = self.client.watch(*creates, timeout=seconds)
         except EtcdCompactedError:  # EtcdStore.watch reports it as a change
             return super().watch(path, since, 0)
         if not events:
             return int(since)
+        if node is not None and any(unb64(e["kv"]["key"]) == self.etcd_key(node) for e in events):
+            self._node = None
+            raise self._lease_lost(f"its descriptor {node!r}", "it is no longer in that round")
         if rank is not None:
             self._deliver(rank, events)
         return max(int(e["kv"]["mod_revision"]) for e in events)
