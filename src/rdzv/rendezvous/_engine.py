@@ -280,7 +280,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         since = 0
         woken = False
         while True:
-            if woken:  # most wake-ups are the seal: one read tells a member everything
+            if woken:  # after a seal attempt: one read tells a member everything
                 raw = store.try_get(keys.rank(r, index))
                 if raw is not None:
                     return self._collect(r, index, raw, previous)
@@ -314,7 +314,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return self._collect(r, index, store.try_get(keys.rank(r, index)), previous)
             else:
                 self._delete_garbage()  # while idle
-                since, woken = self._watch(keys.ctl(r), since, step.wake_at - now), True
+                # Most wake-ups are the seal: the rank comes with the wake-up (one round trip).
+                since, raw = self._watch_get(
+                    keys.ctl(r), since, step.wake_at - now, keys.rank(r, index)
+                )
+                if raw is not None:
+                    return self._collect(r, index, raw, previous)
 
     def _observe(self, r: int) -> tuple[RoundView, int]:
         """The round as seen now and the revision of its ``ctl/`` to watch from, in one
@@ -489,5 +494,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Returns the revision to wait after next time.
         """
-        limit = self._store.timeout.total_seconds()
-        return max(since, self._store.watch(path, since, max(0.0, min(seconds, limit))))
+        return max(since, self._store.watch(path, since, self._wait_seconds(seconds)))
+
+    def _watch_get(
+        self, path: str, since: int, seconds: float, key: str
+    ) -> tuple[int, bytes | None]:
+        """:meth:`_watch`, and the value of ``key`` once woken (None if missing)."""
+        rev, value = self._store.watch_get(path, since, key, self._wait_seconds(seconds))
+        return max(since, rev), value
+
+    def _wait_seconds(self, seconds: float) -> float:
+        """``seconds``, at least 0 and at most one store timeout."""
+        return max(0.0, min(seconds, self._store.timeout.total_seconds()))
