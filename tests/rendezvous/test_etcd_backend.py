@@ -1,8 +1,9 @@
 """The rendezvous contract on the etcd backend, node processes on a real etcd (each version found).
 
 Also what only the etcd backend has: torch's legacy URL form, the key prefix, https with client
-certificates, user and password as options or from the environment, a clear error naming an unreachable endpoint,
-and a 3-member etcd cluster losing its leader in the middle of a rendezvous of several processes.
+certificates, user and password as options or from the environment, a clear error naming an
+unreachable endpoint, nodes SIGSTOPped past their lease and resumed, and a 3-member etcd cluster
+losing its leader in the middle of a rendezvous of several processes.
 Without an etcd binary these tests skip locally and fail under ``CI=true``.
 """
 

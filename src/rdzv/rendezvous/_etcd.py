@@ -135,7 +135,8 @@ class RendezvousEtcdStore(EtcdStore):
                    for k, v in items[start : start + MAX_TXN_OPS]]  # fmt: skip
             answer = self.client.call("kv/txn", {"compare": [holds], "success": ops})
             if not answer.get("succeeded"):
-                raise self._lease_lost(f"its sealer lock {lock!r}", "its decision was not written")
+                raise self._lease_lost(f"its sealer lock {lock!r} is no longer its own",
+                                       "its decision was not written")
         return None
 
     def _release(self, lock: str, holder: bytes) -> None:
@@ -157,15 +158,18 @@ class RendezvousEtcdStore(EtcdStore):
         # A joiner's look at its round: is its own descriptor (its lease) still there?
         reads = super().read_many([*keys, node], counts, revisions)
         if reads.values.pop(node) is None:
-            self._node = None
-            raise self._lease_lost(f"its descriptor {node!r}", "it is no longer in that round")
+            raise self._descriptor_lost(node)
         return reads
+
+    def _descriptor_lost(self, node: str) -> SessionExpiredError:
+        self._node = None
+        return self._lease_lost(f"its descriptor {node!r} is gone", "it is no longer in its round")
 
     def _lease_lost(self, what: str, outcome: str) -> SessionExpiredError:
         """The error for a key of this node's lease found gone; the lease is dropped, so the
         next ephemeral write gets a new one."""
         reason = (
-            f"this node's etcd lease expired ({what} is gone: the process was stopped or cut "
+            f"this node's etcd lease expired ({what}: the process was stopped or cut "
             f"off from etcd longer than the lease ttl of {self.session.ttl} s, "
             f"heartbeat_interval x heartbeat_misses); {outcome}"
         )
@@ -207,8 +211,7 @@ class RendezvousEtcdStore(EtcdStore):
         if not events:
             return int(since)
         if node is not None and any(unb64(e["kv"]["key"]) == self.etcd_key(node) for e in events):
-            self._node = None
-            raise self._lease_lost(f"its descriptor {node!r}", "it is no longer in that round")
+            raise self._descriptor_lost(node)
         if rank is not None:
             self._deliver(rank, events)
         return max(int(e["kv"]["mod_revision"]) for e in events)
