@@ -188,3 +188,32 @@ def test_writes_resent_to_a_restarted_durable_server_are_applied_once(tmp_path: 
                 each.close()
         server.kill()
         server.wait()
+
+
+def test_writes_held_in_a_batch_reach_a_restarted_server(tmp_path: object) -> None:
+    """Writes held in a batch are kept with the pipelined ones: a batch whose server is
+    SIGKILLed and restarted before anything was sent still gets every write there."""
+    data_dir = os.path.join(str(tmp_path), "data")
+    server, port = start_server_process("--data-dir", data_dir, "--fsync", "never")
+    try:
+        with client(port) as store, client(port) as reader:
+            store.set("before", "1")
+            store.flush()
+            with store.batch():
+                store.set("held/a", "1")
+                store.multi_set(["held/b", "held/c"], ["2", "3"])
+                server.kill()  # nothing of the batch has been sent yet
+                server.wait()
+                server, _ = start_server_process(
+                    "--data-dir", data_dir, "--fsync", "never", port=port
+                )
+                # The next request finds the connection gone, reconnects and resends them.
+                assert store.read_many(["held/a"], ["held/"]).counts == {"held/": 3}
+                store.set("held/d", "4")
+            assert reader.get("held/d") == b"4"  # sent by the end of the block
+            assert reader.multi_get(["before", "held/a", "held/b", "held/c"]) == [
+                b"1", b"1", b"2", b"3",
+            ]
+    finally:
+        server.kill()
+        server.wait()

@@ -369,6 +369,18 @@ class StoreContract:
         assert store.watch("job/round", since, 30) > since
         writer.join(10)
 
+    def test_batch_writes_are_read_back_and_sent_by_its_end(
+        self, store: Store, client: Store
+    ) -> None:
+        with store.batch():
+            store.set("batch/a", "1")
+            store.multi_set(["batch/b", "batch/c"], ["2", "3"])
+            assert store.read_many(["batch/a", "batch/c"], ["batch/"]).counts == {"batch/": 3}
+            store.set("batch/d", "4", ephemeral=True)
+        # The last write had no request after it in the block: the block's end sent it.
+        assert client.get("batch/d") == b"4"
+        assert client.multi_get(["batch/a", "batch/b", "batch/c"]) == [b"1", b"2", b"3"]
+
     def test_watch_get_answers_with_the_key(self, store: Store, client: Store) -> None:
         since = store.revision("wg/ctl/")
         assert store.watch_get("wg/ctl/", since, "wg/rank/0", SHORT) == (since, None)

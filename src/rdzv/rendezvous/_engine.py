@@ -271,11 +271,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         else:
             self._garbage += self._owned
         self._owned = [keys.expect(r + 1, index), keys.node(r, index)]
-        store.set(self._owned[0], b"1", ephemeral=True)
-        store.set(self._owned[1], encode_node(node), ephemeral=True)
-        if previous is not None:
-            self._owned.append(keys.back(r, index))
-            store.set(self._owned[-1], b"1", ephemeral=True)
+        with store.batch():  # the writes travel with the first look at the round
+            store.set(self._owned[0], b"1", ephemeral=True)
+            store.set(self._owned[1], encode_node(node), ephemeral=True)
+            if previous is not None:
+                self._owned.append(keys.back(r, index))
+                store.set(self._owned[-1], b"1", ephemeral=True)
+            first_look: tuple[RoundView, int] | None = self._observe(r)
         armed_since: float | None = None
         since = 0
         woken = False
@@ -284,7 +286,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 raw = store.try_get(keys.rank(r, index))
                 if raw is not None:
                     return self._collect(r, index, raw, previous)
-            view, seen = self._observe(r)
+            view, seen = first_look or self._observe(r)
+            first_look = None
             since = max(since, seen)
             now = time.monotonic()
             step = decide(view, self._rules, now, deadline, armed_since)
@@ -359,12 +362,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if store.compare_set(lock, b"", me, ephemeral=True) != me:
             return False, None
         mine = None
-        try:
-            if store.try_get(keys.status(r)) is None:
-                mine = self._seal(r, index)
-        finally:
-            store.set(lock, b"", ephemeral=True)
-        if store.try_get(keys.closed) is not None:  # closed meanwhile: close the next round
+        with store.batch():  # the decision and the release travel with the read of `closed`
+            try:
+                if store.try_get(keys.status(r)) is None:
+                    mine = self._seal(r, index)
+            finally:
+                store.set(lock, b"", ephemeral=True)
+            closed = store.try_get(keys.closed) is not None
+        if closed:  # closed meanwhile: close the next round
             store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
         return True, mine
 

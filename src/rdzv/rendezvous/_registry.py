@@ -50,7 +50,7 @@ def _import_creator(reference: str, backend: str) -> RendezvousHandlerCreator:
     """Import ``module:attribute``; a ValueError saying the backend is unavailable if it fails."""
     module_name, _, attributes = reference.partition(":")
     try:
-        creator = importlib.import_module(module_name.strip())
+        creator: Any = importlib.import_module(module_name.strip())
         for attribute in attributes.strip().split("."):
             creator = getattr(creator, attribute)
     except (ImportError, AttributeError, ValueError) as exc:

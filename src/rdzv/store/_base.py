@@ -21,9 +21,10 @@ Revisions are positive integers that only grow; a path never written has revisio
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import ClassVar, Iterable, Sequence, Union
+from typing import ClassVar, Iterable, Iterator, Sequence, Union
 
 from ..errors import StoreTimeoutError
 
@@ -222,6 +223,16 @@ class Store(abc.ABC):
         """
         revision = self.watch(path, since, timeout)
         return revision, self.try_get(key)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Writes (``set``, ``multi_set``) made inside may travel with the next request instead
+        of one by one; all of them have been sent when the block ends. Reads inside see them.
+
+        TCPStore sends them in one message with the next request (fewer messages, and fewer
+        wake-ups of the server); this default sends each write at once.
+        """
+        yield
 
     def read_many(
         self,

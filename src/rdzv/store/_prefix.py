@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 from ._base import Reads, Store, Timeout, Value, check_key
 
@@ -88,6 +89,11 @@ class PrefixStore(Store):
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         return self.underlying_store.watch(self._path(path), since, timeout)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        with self.underlying_store.batch():
+            yield
 
     def watch_get(
         self, path: str, since: int, key: str, timeout: Timeout = None

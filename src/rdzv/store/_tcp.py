@@ -22,12 +22,13 @@ request id of each session and answers a resent one without applying it).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
 import time
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..errors import StoreError, StoreProtocolError, StoreTimeoutError, StoreValueError
 from ..server import _auth
@@ -297,6 +298,20 @@ class TCPStore(StoreConnection, Store):
         values = {k: _found(payload) for k, (_, payload) in zip(keys, answers)}
         numbers = [P.decode_u64(payload) for _, payload in answers[len(values) :]]
         return Reads(values, dict(zip(counts, numbers)), revision_of)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Writes made inside go out with the next request, in one message with it (at the
+        latest when the block ends), instead of one message each."""
+        with self._lock:
+            self._batching += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._batching -= 1
+                if not self._batching:
+                    self._send_held()
 
     def ping(self) -> None:
         """One round trip to the server (reconnecting if needed)."""

@@ -100,6 +100,10 @@ class StoreConnection:
         self._unacked_bytes = 0
         self._write_error: StoreError | None = None
         self._last_send = _monotonic()
+        self._held: list[bytes] = []
+        """Pipelined writes made inside :meth:`TCPStore.batch`, not sent yet: they go out with
+        the next request (one message instead of several), at the latest when the block ends."""
+        self._batching = 0
 
     def _simple(self, encode: Callable[[int], bytes], what: str, key: str | None = None) -> bytes:
         with self._lock:
@@ -126,8 +130,15 @@ class StoreConnection:
         self._unacked_bytes += size
         sock = self._sock
         if sock is not None:
+            if (
+                self._batching
+                and len(unacked) <= MAX_UNACKED_WRITES
+                and self._unacked_bytes <= MAX_UNACKED_BYTES
+            ):
+                self._held.append(frame)  # (already in unacked: resent if the connection drops)
+                return
             try:  # (not counted as a sign of life: the keepalive may ping a busy writer)
-                sock.sendall(frame)
+                sock.sendall(self._with_held(frame))
             except OSError as exc:
                 log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
                 self._disconnect(exc)
@@ -136,6 +147,25 @@ class StoreConnection:
                     return
         ping = self._rid = self._rid + 1
         self._request(P.encode_ping(ping), ping)
+
+    def _with_held(self, frame: bytes) -> bytes:
+        """``frame`` after the held writes, which are then no longer held."""
+        if not self._held:
+            return frame
+        self._held.append(frame)
+        data = b"".join(self._held)
+        self._held.clear()
+        return data
+
+    def _send_held(self) -> None:
+        """Send the held writes now (the end of a batch). Lock held."""
+        sock = self._sock
+        if self._held and sock is not None:
+            try:
+                sock.sendall(self._with_held(b""))
+            except OSError as exc:  # they are resent, in order, by the next call's reconnect
+                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
+                self._disconnect(exc)
 
     def _check_frame_size(self, frame: bytes) -> None:
         if len(frame) > self._max_frame + 4:
@@ -171,7 +201,7 @@ class StoreConnection:
         else:
             try:
                 self._last_send = _monotonic()
-                sock.sendall(frame)
+                sock.sendall(self._with_held(frame) if self._held else frame)
                 result = self._read_response(sock, rid)
             except StoreError:
                 self._disconnect()
@@ -199,7 +229,8 @@ class StoreConnection:
         if sock is not None and self._pending_error is None:
             try:
                 self._last_send = _monotonic()
-                sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+                sock.sendall(b"".join(self._held + frames) if self._held else b"".join(frames))
+                self._held.clear()
                 for i in range(len(frames)):
                     answers.append(self._read_response(sock, first_rid + i))
             except StoreError:
@@ -242,7 +273,7 @@ class StoreConnection:
             attempts += 1
             try:
                 self._last_send = _monotonic()
-                sock.sendall(frame)
+                sock.sendall(self._with_held(frame))
                 return self._read_response(sock, rid)
             except StoreError:
                 self._disconnect()
@@ -331,6 +362,7 @@ class StoreConnection:
         sock = self._sock
         self._sock = None
         self._rbuf = b""
+        self._held.clear()  # (every held write is in _unacked: the reconnect resends it)
         if sock is None:
             return
         if isinstance(why, (BlockingIOError, socket.timeout)) and self._stale is None:

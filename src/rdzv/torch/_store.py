@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch.distributed as dist
 
@@ -141,6 +141,9 @@ class TorchStore(dist.Store):
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         return self._store.watch(path, since, to_seconds(timeout, self._seconds()))
+
+    def batch(self) -> ContextManager[None]:
+        return self._store.batch()
 
     def watch_get(
         self, path: str, since: int, key: str, timeout: Timeout = None
