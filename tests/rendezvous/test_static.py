@@ -154,13 +154,14 @@ NODE_SCRIPT = textwrap.dedent("""
         store.set(f"hello/{rank}", str(rank))
         store.wait([f"hello/{r}" for r in range(world_size)], timedelta(seconds=60))
         store.add("sum", rank + 1)
-        store.set(f"finished/{rank}", "1")
-        if rank == 0:  # rank 0 hosts the store: stay until everyone is done with it
-            store.wait([f"finished/{r}" for r in range(world_size)], timedelta(seconds=60))
         result = {"rank": rank, "world_size": world_size,
                   "seen": sorted(int(v) for v in store.multi_get([f"hello/{r}" for r in range(world_size)])),
                   "again": handler.next_rendezvous() is info,
                   "bootstrap": [info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port]}
+        # The last use of the store: rank 0 hosts it, and stops it once everyone is done.
+        store.set(f"finished/{rank}", "1")
+        if rank == 0:
+            store.wait([f"finished/{r}" for r in range(world_size)], timedelta(seconds=60))
     except RendezvousError as exc:
         result = {"error": type(exc).__name__, "message": str(exc)}
     finally:
