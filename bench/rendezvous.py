@@ -1,6 +1,7 @@
 """Rendezvous speed: rdzv's tcp backend against torch's c10d backend, side by side.
 
-Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--no-torch]``
+Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--repeat 3]
+[--no-torch]``
 
 How nodes are simulated: every node has its own handler and its own store connection (rdzv: a
 TCPStore client with its session; torch: a TCPStore client), and calls next_rendezvous from its
@@ -24,7 +25,9 @@ a time is the latest return minus the start. "last call" is when the last node h
 
 Scenarios:
 
-* barrier: N nodes call next_rendezvous together, min_nodes = max_nodes = N.
+* barrier: N nodes call next_rendezvous together, min_nodes = max_nodes = N. ``--repeat``
+  rounds per size, each with a fresh server and fresh nodes, rdzv and torch in turns; the
+  median is shown (a single round on this shared 2-core machine is noisy), with rdzv's slowest.
 * scale-out: 8 members formed a round (max_nodes 9); a late node calls next_rendezvous. "seen"
   is the time until a member notices it (rdzv: wait_for_membership_change returns; torch:
   num_nodes_waiting() > 0, polled every millisecond); "new round" is the time from the members
@@ -356,6 +359,11 @@ def fmt(seconds: float | None) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def median(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The run of median time (with its own 'last call')."""
+    return sorted(runs)[len(runs) // 2]
+
+
 def ratio(torch_s: float | None, rdzv_s: float) -> str:
     return "-" if torch_s is None else f"{torch_s / rdzv_s:.0f}x"
 
@@ -364,6 +372,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="2,8,32,128,1000,10000")
     parser.add_argument("--procs", type=int, default=8, help="worker processes per scenario")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="barrier rounds per size and implementation, taken in turns (median shown)")
     parser.add_argument("--no-torch", action="store_true", help="rdzv only")
     parser.add_argument("--nodes", choices=("auto", "threads", "greenlets"), default="auto",
                         help=f"rdzv's barrier nodes: threads, gevent greenlets, or auto "
@@ -381,22 +391,29 @@ def main() -> None:
         with_torch = False
 
     print(f"barrier: N nodes call next_rendezvous together (min = max = N) over {args.procs} "
-          f"processes; 'last call': when the last node had called (simulation lag, included)")
-    print(f"{'N':>6} | {'rdzv':>10} | {'last call':>9} | {'nodes':>9} | {'torch c10d':>10} | "
-          f"{'last call':>9} | ratio")
-    for run, n in enumerate(int(s) for s in args.sizes.split(",")):
+          f"processes; median of {args.repeat} rounds (rdzv's slowest in brackets); 'last call': "
+          f"when the last node had called (simulation lag, included)")
+    print(f"{'N':>6} | {'rdzv':>10} | {'(slowest)':>10} | {'last call':>9} | {'nodes':>9} | "
+          f"{'torch c10d':>10} | {'last call':>9} | ratio")
+    for size, n in enumerate(int(s) for s in args.sizes.split(",")):
         kind = node_kind("rdzv", n, args.nodes)
+        mine: list[tuple[float, float]] = []
+        theirs: list[tuple[float, float]] = []
         try:
-            mine, lag = bench_barrier("rdzv", n, args.procs, run, kind)
+            for repeat in range(args.repeat):
+                run = size * args.repeat + repeat
+                mine.append(bench_barrier("rdzv", n, args.procs, run, kind))
+                if with_torch and n <= 128:
+                    theirs.append(bench_barrier("torch", n, args.procs, run, "threads"))
         except (RuntimeError, AssertionError, OSError) as exc:
-            print(f"{n:>6} | failed ({kind}): {str(exc)[:100]}", flush=True)
+            print(f"{n:>6} | failed: {str(exc)[:100]}", flush=True)
             continue
-        theirs, their_lag = (None, None)
-        if with_torch and n <= 128:
-            theirs, their_lag = bench_barrier("torch", n, args.procs, run, "threads")
-        note = "" if theirs is not None or not with_torch else " (torch skipped: > 128)"
-        print(f"{n:>6} | {fmt(mine):>10} | {fmt(lag):>9} | {kind:>9} | {fmt(theirs):>10} | "
-              f"{fmt(their_lag):>9} | {ratio(theirs, mine)}{note}", flush=True)
+        rdzv_s, lag = median(mine)
+        torch_s, their_lag = median(theirs) if theirs else (None, None)
+        note = "" if theirs or not with_torch else " (torch skipped: > 128)"
+        print(f"{n:>6} | {fmt(rdzv_s):>10} | {'(' + fmt(max(mine)[0]) + ')':>10} | {fmt(lag):>9} | "
+              f"{kind:>9} | {fmt(torch_s):>10} | {fmt(their_lag):>9} | {ratio(torch_s, rdzv_s)}"
+              f"{note}", flush=True)
     if args.nodes == "auto" and importlib.util.find_spec("gevent") is None:
         print(f"  note: gevent is not installed: nodes above {GREENLETS_ABOVE} ran as threads "
               "(pip install gevent)")
