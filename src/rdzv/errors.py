@@ -57,7 +57,13 @@ class StoreAuthenticationError(StoreConnectionError):
 
 
 class StoreProtocolError(StoreConnectionError):
-    """The peer spoke an incompatible protocol version or sent malformed data."""
+    """The peer spoke an incompatible protocol version or sent malformed data.
+
+    ``code``: the protocol's error code when the server sent one (e.g. unknown operation)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class StoreValueError(StoreError, ValueError):

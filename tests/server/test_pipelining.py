@@ -217,3 +217,28 @@ def test_writes_held_in_a_batch_reach_a_restarted_server(tmp_path: object) -> No
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_batch_holds_only_its_own_threads_writes(server: StoreServer) -> None:
+    """Another thread's set on the same client is sent at once while a batch is open."""
+    import threading
+
+    with client(server.port) as store, client(server.port) as reader:
+        in_batch, written = threading.Event(), threading.Event()
+
+        def batch_owner() -> None:
+            with store.batch():
+                store.set("held/x", "1")
+                in_batch.set()
+                written.wait(30)
+
+        owner = threading.Thread(target=batch_owner)
+        owner.start()
+        try:
+            assert in_batch.wait(30)
+            store.set("other/y", "2")  # this thread is not in the batch
+            assert reader.get("other/y") == b"2"
+        finally:
+            written.set()
+            owner.join(30)
+        assert reader.get("held/x") == b"1"

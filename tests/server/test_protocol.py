@@ -62,6 +62,8 @@ def test_responses_round_trip() -> None:
     assert P.decode_watch_get(P.payload_watch_get(4, b"")) == (4, b"")
     with pytest.raises(P.ProtocolError, match="malformed watch_get"):
         P.decode_watch_get(b"\x01")
+    with pytest.raises(P.ProtocolError, match="empty key"):
+        P.decode_request(P.encode_watch_get(21, b"d/", 0, 0, b"")[4:])
 
 
 def test_handshake_round_trip() -> None:

@@ -173,18 +173,19 @@ class RequestHandlers(Waiters):
 
     def _op_watch(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
         path, since, wait_ms = _DEC[P.OP_WATCH](buf, pos, end)
-        rev = self.state.path_revision(path)
-        if rev > since or wait_ms == 0:
-            return P.ok(rid, P.U64.pack(rev))
-        self.add_waiter(Waiter(conn, rid, P.OP_WATCH, [path], since), wait_ms)
-        return None
+        return self._watch(Waiter(conn, rid, P.OP_WATCH, [path], since), wait_ms)
 
     def _op_watch_get(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes | None:
         path, key, since, wait_ms = _DEC[P.OP_WATCH_GET](buf, pos, end)
-        rev = self.state.path_revision(path)
-        if rev > since or wait_ms == 0:
-            return P.ok(rid, P.payload_watch_get(rev, self.state.get(key)))
-        self.add_waiter(Waiter(conn, rid, P.OP_WATCH_GET, [path], since, key), wait_ms)
+        return self._watch(Waiter(conn, rid, P.OP_WATCH_GET, [path], since, key), wait_ms)
+
+    def _watch(self, w: Waiter, wait_ms: int) -> bytes | None:
+        """Answer watch(_get) ``w`` now if its path changed after ``since`` (or it may not
+        wait), else register it."""
+        rev = self.state.path_revision(w.keys[0])
+        if rev > w.since or wait_ms == 0:
+            return self.watch_answer(w, rev)
+        self.add_waiter(w, wait_ms)
         return None
 
     def _op_close_session(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:

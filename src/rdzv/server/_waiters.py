@@ -95,7 +95,7 @@ class Waiters:
         op = w.op
         if op == P.OP_WATCH or op == P.OP_WATCH_GET:
             rev = state.path_revision(w.keys[0])
-            return self._watch_answer(w, rev) if rev > w.since else None
+            return self.watch_answer(w, rev) if rev > w.since else None
         if op == P.OP_GET:
             value = state.get(w.keys[0])
             return None if value is None else P.ok(w.rid, value)
@@ -112,13 +112,14 @@ class Waiters:
             return
         self.remove_waiter(w)
         if w.op == P.OP_WATCH or w.op == P.OP_WATCH_GET:
-            resp = self._watch_answer(w, self.state.path_revision(w.keys[0]))
+            resp = self.watch_answer(w, self.state.path_revision(w.keys[0]))
         else:
             state = self.state
             resp = P.timeout(w.rid, [k for k in w.keys if not state.contains(k)])
         w.conn.queue(resp)
 
-    def _watch_answer(self, w: Waiter, revision: int) -> bytes:
+    def watch_answer(self, w: Waiter, revision: int) -> bytes:
+        """The answer to watch(_get) ``w`` with its path at ``revision``."""
         if w.op == P.OP_WATCH:
             return P.ok(w.rid, P.U64.pack(revision))
         return P.ok(w.rid, P.payload_watch_get(revision, self.state.get(w.read)))

@@ -110,9 +110,10 @@ HS_AUTH_FAILED = 2
 class ProtocolError(StoreProtocolError):
     """Malformed or unexpected data on the wire; ``code`` is the error code to answer with."""
 
+    code: int
+
     def __init__(self, message: str, code: int = E_BAD_REQUEST) -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
 
 
 # -- structs ------------------------------------------------------------------------------------

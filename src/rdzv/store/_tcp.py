@@ -301,17 +301,24 @@ class TCPStore(StoreConnection, Store):
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Writes made inside go out with the next request, in one message with it (at the
-        latest when the block ends), instead of one message each."""
+        """Writes this thread makes inside go out with the next request, in one message with it
+        (at the latest when the block ends), instead of one message each. One thread at a time:
+        in another thread's block, writes are sent at once."""
+        me = threading.get_ident()
         with self._lock:
-            self._batching += 1
+            if self._batch_owner is None:
+                self._batch_owner = me
+            mine = self._batch_owner == me
+            self._batch_depth += mine
         try:
             yield
         finally:
-            with self._lock:
-                self._batching -= 1
-                if not self._batching:
-                    self._send_held()
+            if mine:
+                with self._lock:
+                    self._batch_depth -= 1
+                    if not self._batch_depth:
+                        self._batch_owner = None
+                        self._send_held()
 
     def ping(self) -> None:
         """One round trip to the server (reconnecting if needed)."""
@@ -335,35 +342,38 @@ class TCPStore(StoreConnection, Store):
 
     # -- blocking calls: server-side waits in chunks of at most ttl/3 --------------------------
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
-        seconds = to_seconds(timeout, self._timeout)
-        deadline = _monotonic() + seconds
-        pb = path.encode()
-        since = int(since)
-        while True:
-            done, payload = self._chunk(
-                lambda rid, wait: P.encode_watch(rid, pb, since, wait), deadline, "watch", path
-            )
-            if not done:  # pragma: no cover - a watch is answered OK even when it runs out
-                continue
-            rev = P.decode_u64(payload)
-            if rev > since or _monotonic() >= deadline:
-                return rev
+        pb, since = path.encode(), int(since)
+        encode = lambda rid, wait: P.encode_watch(rid, pb, since, wait)  # noqa: E731
+        return P.decode_u64(self._watch(encode, "watch", path, since, timeout))
 
     def watch_get(
         self, path: str, since: int, key: str, timeout: Timeout = None
     ) -> tuple[int, bytes | None]:
-        seconds = to_seconds(timeout, self._timeout)
-        deadline = _monotonic() + seconds
-        pb, kb = path.encode(), check_key(key).encode()
-        since = int(since)
+        if self._server_lacks_watch_get:
+            return super().watch_get(path, since, key, timeout)
+        pb, kb, since = path.encode(), check_key(key).encode(), int(since)
+        encode = lambda rid, wait: P.encode_watch_get(rid, pb, since, wait, kb)  # noqa: E731
+        try:
+            return P.decode_watch_get(self._watch(encode, "watch_get", path, since, timeout))
+        except StoreProtocolError as exc:
+            if exc.code != P.E_UNKNOWN_OP:
+                raise
+        log.info("the store server at %s:%d predates watch_get: watch, then get", self._host,
+                 self._port)
+        self._server_lacks_watch_get = True
+        return super().watch_get(path, since, key, timeout)
+
+    def _watch(
+        self, encode: Callable[[int, int], bytes], what: str, path: str, since: int,
+        timeout: Timeout,
+    ) -> bytes:
+        """The answer to a watch (or watch_get) of ``path``, sent in server-side waits of at
+        most ttl/3 until the path changes after ``since`` or ``timeout`` runs out."""
+        deadline = _monotonic() + to_seconds(timeout, self._timeout)
         while True:
-            _, payload = self._chunk(
-                lambda rid, wait: P.encode_watch_get(rid, pb, since, wait, kb),
-                deadline, "watch_get", path,
-            )
-            rev, value = P.decode_watch_get(payload)
-            if rev > since or _monotonic() >= deadline:
-                return rev, value
+            _, payload = self._chunk(encode, deadline, what, path)  # (a watch never times out)
+            if P.decode_u64(payload[:8]) > since or _monotonic() >= deadline:
+                return payload
 
     def _get1(self, key: str, timeout: float, deadline: float | None = None) -> bytes:
         kb = key.encode()

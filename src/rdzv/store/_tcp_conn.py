@@ -103,7 +103,10 @@ class StoreConnection:
         self._held: list[bytes] = []
         """Pipelined writes made inside :meth:`TCPStore.batch`, not sent yet: they go out with
         the next request (one message instead of several), at the latest when the block ends."""
-        self._batching = 0
+        self._batch_owner: int | None = None
+        """The thread in a :meth:`TCPStore.batch` block (only its writes are held)."""
+        self._batch_depth = 0
+        self._server_lacks_watch_get = False
 
     def _simple(self, encode: Callable[[int], bytes], what: str, key: str | None = None) -> bytes:
         with self._lock:
@@ -131,7 +134,7 @@ class StoreConnection:
         sock = self._sock
         if sock is not None:
             if (
-                self._batching
+                self._batch_owner == threading.get_ident()
                 and len(unacked) <= MAX_UNACKED_WRITES
                 and self._unacked_bytes <= MAX_UNACKED_BYTES
             ):
@@ -516,7 +519,7 @@ class StoreConnection:
             return SessionExpiredError(msg)
         if code in (P.E_BAD_REQUEST, P.E_UNKNOWN_OP, P.E_FRAME_TOO_LARGE, P.E_VERSION):
             return StoreProtocolError(
-                f"the store server at {self._host}:{self._port} rejected {about}: {msg}"
+                f"the store server at {self._host}:{self._port} rejected {about}: {msg}", code
             )
         return StoreError(f"the store server at {self._host}:{self._port} failed {about}: {msg}")
 
