@@ -242,3 +242,28 @@ def test_a_batch_holds_only_its_own_threads_writes(server: StoreServer) -> None:
             written.set()
             owner.join(30)
         assert reader.get("held/x") == b"1"
+
+
+def test_unanswered_ephemeral_sets_are_not_resent_into_a_new_session() -> None:
+    """A server restarted without its data knows nothing of the client's session: the client's
+    unanswered ephemeral SETs belong to the dead session and are not recreated in the new one
+    (the plain ones are resent); the client learns of it through SessionExpiredError."""
+    server, port = start_server_process()
+    try:
+        with client(port) as store, client(port) as reader:
+            store.set("alive", "1", ephemeral=True)
+            store.flush()
+            server.kill()
+            server.wait()
+            server, _ = start_server_process(port=port)
+            with pytest.raises(SessionExpiredError):
+                # Written to the dead server's connection (no answer), then resent.
+                store.set("gone/ephemeral", "x", ephemeral=True)
+                store.set("gone/plain", "y")
+                store.ping()
+            assert reader.try_get("gone/plain") == b"y"
+            assert reader.try_get("gone/ephemeral") is None
+            assert reader.try_get("alive") is None
+    finally:
+        server.kill()
+        server.wait()

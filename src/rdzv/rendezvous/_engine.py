@@ -479,9 +479,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         logger.warning("rendezvous %s: %s lost its session (%s); joining again as a new node",
                        self._keys.run_id, self._node_id, exc)
         self._member = None
-        # A store may have rewritten them under its new session (TCPStore resends the writes
-        # it had no answer to): a stale descriptor there would be given a rank nobody takes.
-        self._delete(self._owned + self._stale)
         self._owned, self._stale = [], []
 
     def _leave_round(self) -> None:

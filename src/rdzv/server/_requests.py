@@ -280,7 +280,6 @@ def _dec_watch(buf: bytes, pos: int, end: int) -> tuple[str, int, int]:
     return buf[pos + 12 : end].decode(), since, wait
 
 
-
 def _dec_watch_get(buf: bytes, pos: int, end: int) -> tuple[str, str, int, int]:
     _need(pos + 12, end, "watch_get header")
     since, wait = _WATCH_ARGS.unpack_from(buf, pos)

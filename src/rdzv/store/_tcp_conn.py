@@ -170,6 +170,13 @@ class StoreConnection:
                 log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
                 self._disconnect(exc)
 
+    def _drop_unacked_ephemeral(self) -> None:
+        """Forget the unacknowledged ephemeral SETs: resent, they would outlive their session
+        in the new one (a dead node's descriptor kept alive)."""
+        kept = deque(u for u in self._unacked if not _is_ephemeral_set(u[1]))
+        self._unacked_bytes = sum(len(u[1]) for u in kept)
+        self._unacked = kept
+
     def _check_frame_size(self, frame: bytes) -> None:
         if len(frame) > self._max_frame + 4:
             raise StoreValueError(
@@ -232,8 +239,7 @@ class StoreConnection:
         if sock is not None and self._pending_error is None:
             try:
                 self._last_send = _monotonic()
-                sock.sendall(b"".join(self._held + frames) if self._held else b"".join(frames))
-                self._held.clear()
+                sock.sendall(self._with_held(b"".join(frames)))
                 for i in range(len(frames)):
                     answers.append(self._read_response(sock, first_rid + i))
             except StoreError:
@@ -466,10 +472,12 @@ class StoreConnection:
             )
         sock.settimeout(None)
         self._set_reply_timeout(sock, self._reply_timeout)
+        old = self._session
+        if old and not welcome.resumed:  # the old session's ephemeral writes died with it
+            self._drop_unacked_ephemeral()
         if self._unacked:  # resent first, in order: the server applies each at most once
             sock.sendall(b"".join([f for _, f, _, _ in self._unacked]))
         self._close_stale()  # the server moved the session to this connection
-        old = self._session
         self._sock = sock
         self._rbuf = b""
         self._session = welcome.session
@@ -543,3 +551,8 @@ class StoreConnection:
                 log.debug("keepalive to %s:%d failed: %s", self._host, self._port, exc)
         finally:
             self._lock.release()
+
+
+def _is_ephemeral_set(frame: bytes) -> bool:
+    """Whether request ``frame`` is a SET of an ephemeral key (u32 len, u8 op, u32 rid, u8 flags)."""
+    return frame[4] == P.OP_SET and bool(frame[9] & P.FLAG_EPHEMERAL)
