@@ -147,22 +147,15 @@ class StaticRendezvousHandler(RendezvousHandler):
                 delay = min(delay * 2, _CONNECT_RETRY_MAX_SLEEP)
 
     def _barrier(self, store: Store, deadline: float) -> None:
-        """Announce this rank and wait for every rank; a timeout names the missing ranks."""
-        arrived = f"{_KEY_ROOT}/{self.run_id}/arrived/"
-        token = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
-        previous = store.compare_set(arrived + str(self.rank), "", token)
-        if previous.decode(errors="replace") not in ("", token):
-            logger.warning(
-                "static rendezvous '%s': rank %d was already announced by %s; replacing it "
-                "(a restarted node, or two nodes given the same rank)",
-                self.run_id, self.rank, previous.decode(errors="replace"),
-            )
-            store.set(arrived + str(self.rank), token)
-        keys = [arrived + str(rank) for rank in range(self.world_size)]
+        """Announce this rank and wait for every rank; a timeout names the missing ranks, a lost
+        store is a RendezvousConnectionError."""
+        keys = [self._arrived_key(rank) for rank in range(self.world_size)]
         try:
+            self._announce(store)
             store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.0)))
         except StoreTimeoutError as exc:
-            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            # The error names the keys still missing: no further call to a store that may be gone.
+            missing = [rank for rank, key in enumerate(keys) if key in exc.keys]
             raise RendezvousTimeoutError(
                 f"static rendezvous '{self.run_id}': rank(s) {missing} of world_size "
                 f"{self.world_size} did not arrive within {self.timeout:g} s at "
@@ -175,6 +168,23 @@ class StaticRendezvousHandler(RendezvousHandler):
                 f"rank 0 at {self.master_addr}:{self.master_port} while waiting for the other ranks "
                 f"({exc}); rank 0 stopped (timed out, failed or was killed)."
             ) from exc
+
+    def _announce(self, store: Store) -> None:
+        """Write this rank's arrival (a node restarted with the same rank replaces its token)."""
+        key = self._arrived_key(self.rank)
+        token = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+        previous = store.compare_set(key, "", token)
+        if previous.decode(errors="replace") not in ("", token):
+            logger.warning(
+                "static rendezvous '%s': rank %d was already announced by %s; replacing it "
+                "(a restarted node, or two nodes given the same rank)",
+                self.run_id, self.rank, previous.decode(errors="replace"),
+            )
+            store.set(key, token)
+
+    def _arrived_key(self, rank: int) -> str:
+        return f"{_KEY_ROOT}/{self.run_id}/arrived/{rank}"
+
         logger.info(
             "static rendezvous '%s' complete: rank %d of %d", self.run_id, self.rank, self.world_size
         )
