@@ -38,6 +38,18 @@ def test_lost_lease_is_reported_once_then_renewed(store: EtcdStore, etcd: LocalE
     assert store.get("again") == b"3"
 
 
+def test_a_lost_lease_found_by_the_keep_alive_and_a_write_is_reported_once(
+    store: EtcdStore,
+) -> None:
+    """The keep-alive finds the lease gone, then a write sent with it fails and raises: the
+    caller has been told, so its next ephemeral write gets a new lease (no second error)."""
+    lease = store.session.id()
+    store.session.lost(lease, "not renewed within 2 s")  # the keep-alive thread, first
+    store.session.lost(lease, "lease not found", reported=True)  # the write that raised
+    store.set("renewed", "1", ephemeral=True)
+    assert store.session.id() != lease and store.get("renewed") == b"1"
+
+
 def test_watch_and_revision_after_compaction(store: EtcdStore) -> None:
     store.set("old/k", "1")
     since = store.revision("old/")

@@ -141,19 +141,18 @@ def test_threads_sharing_the_store_each_read_their_own_keys(
 def test_the_watch_that_wakes_a_joiner_brings_its_rank(
     joiner: RendezvousEtcdStore, observer: EtcdStore, etcd: LocalEtcd
 ) -> None:
-    observer.add(ROUND + "count", 1)  # an earlier joiner: this one gets index 1
-    assert joiner.add(ROUND + "count", 1) == 2
+    joiner.set(ROUND + "nodes/h:1:b", "descriptor", ephemeral=True)  # names its rank key
     since = joiner.revision(ROUND + "ctl/")
     woke: list[int] = []
     waiter = threading.Thread(target=lambda: woke.append(joiner.watch(ROUND + "ctl/", since, 60)))
     waiter.start()
     time.sleep(0.5)  # the watch is in place (if not yet, it starts from `since` anyway)
-    observer.multi_set([ROUND + "rank/0", ROUND + "rank/1"], ["a", "b"])  # as sealers do past
+    observer.multi_set([ROUND + "rank/h:0:a", ROUND + "rank/h:1:b"], ["a", "b"])  # as sealers do past
     observer.set(ROUND + "ctl/status", "s")  # 126 members: ranks first, the status last
     waiter.join(60)
     assert woke and woke[0] > since
     before = handled(etcd)
-    assert joiner.try_get(ROUND + "rank/1") == b"b"
+    assert joiner.try_get(ROUND + "rank/h:1:b") == b"b"
     assert handled(etcd).get("Range", 0) == before.get("Range", 0), "no request for the rank"
-    assert joiner.try_get(ROUND + "rank/1") == b"b", "a second read asks etcd"
-    assert joiner.try_get(ROUND + "rank/0") == b"a"
+    assert joiner.try_get(ROUND + "rank/h:1:b") == b"b", "a second read asks etcd"
+    assert joiner.try_get(ROUND + "rank/h:0:a") == b"a"

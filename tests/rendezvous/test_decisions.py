@@ -79,28 +79,40 @@ def test_armed_since_is_carried_over():
     assert later.armed_since == 3.0 and later.wake_at == 13.0
 
 
-def node(prev: int | None) -> NodeDescriptor:
-    return NodeDescriptor("n", "127.0.0.1", 1, 1000, prev)
+def nodes(*specs: tuple[str, int | None]) -> dict[str, NodeDescriptor]:
+    """Joiners by node id: (``"host:pid"``, previous rank) each."""
+    joiners = {}
+    for spec, prev in specs:
+        host, pid = spec.split(":")
+        node_id = f"{host}:{pid}:0a1b2c3d"
+        joiners[node_id] = NodeDescriptor(node_id, host, int(pid), 1000, prev)
+    return joiners
+
+
+def ranks(*pairs: tuple[str, int]) -> dict[str, int]:
+    return {f"{spec}:0a1b2c3d": rank for spec, rank in pairs}
 
 
 @pytest.mark.parametrize(
     "name, joiners, rules, expected",
     [
-        ("below min: no round", {0: node(None)}, RULES, None),
-        ("first round: arrival order", {3: node(None), 1: node(None), 2: node(None)}, RULES,
-         {1: 0, 2: 1, 3: 2}),
+        ("below min: no round", nodes(("a:1", None)), RULES, None),
+        ("first round: by host, then pid (numerically)",
+         nodes(("b:1", None), ("a:20", None), ("a:3", None)), RULES,
+         ranks(("a:3", 0), ("a:20", 1), ("b:1", 2))),
         ("survivors keep their ranks, newcomer fills the hole",
-         {0: node(2), 1: node(0), 5: node(None)}, RULES, {1: 0, 0: 2, 5: 1}),
-        ("rank beyond the new size is renumbered", {0: node(0), 1: node(3)}, RULES,
-         {0: 0, 1: 1}),
+         nodes(("a:1", 2), ("b:1", 0), ("c:1", None)), RULES,
+         ranks(("b:1", 0), ("a:1", 2), ("c:1", 1))),
+        ("rank beyond the new size is renumbered", nodes(("a:1", 0), ("b:1", 3)), RULES,
+         ranks(("a:1", 0), ("b:1", 1))),
         ("over max: survivors first, newcomers dropped",
-         {0: node(None), 1: node(1), 2: node(0), 3: node(2), 4: node(3)}, RULES,
-         {2: 0, 1: 1, 3: 2, 4: 3}),
-        ("over max: earliest newcomers first",
-         {7: node(None), 2: node(None), 9: node(None), 4: node(None), 5: node(None)}, RULES,
-         {2: 0, 4: 1, 5: 2, 7: 3}),
-        ("duplicate previous rank (stale node) is renumbered", {0: node(0), 1: node(0)}, RULES,
-         {0: 0, 1: 1}),
+         nodes(("a:1", None), ("b:1", 1), ("c:1", 0), ("d:1", 2), ("e:1", 3)), RULES,
+         ranks(("c:1", 0), ("b:1", 1), ("d:1", 2), ("e:1", 3))),
+        ("over max: newcomers in host order",
+         nodes(("e:1", None), ("b:1", None), ("d:1", None), ("a:1", None), ("c:1", None)), RULES,
+         ranks(("a:1", 0), ("b:1", 1), ("c:1", 2), ("d:1", 3))),
+        ("duplicate previous rank (stale node) is renumbered", nodes(("a:1", 0), ("b:1", 0)),
+         RULES, ranks(("a:1", 0), ("b:1", 1))),
     ],
 )
 def test_plan_ranks(name, joiners, rules, expected):

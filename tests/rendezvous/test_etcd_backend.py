@@ -13,7 +13,6 @@ import os
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -349,15 +348,5 @@ def stores(etcd_server: LocalEtcd) -> Iterator[list[RendezvousEtcdStore]]:
     yield opened
     for store in opened:
         store.close()
-
-
-def test_arrival_counter_gives_distinct_consecutive_indexes(
-    stores: list[RendezvousEtcdStore],
-) -> None:
-    counter = "rdzv/job/round/3/count"
-    with ThreadPoolExecutor(len(stores)) as pool:
-        got = list(pool.map(lambda s: [s.add(counter, 1) for _ in range(10)], stores))
-    assert sorted(i for batch in got for i in batch) == list(range(1, 10 * len(stores) + 1))
-    assert stores[0].add("rdzv/job/round/3/user/count", 5) == 5, "other keys: a plain add"
 
 

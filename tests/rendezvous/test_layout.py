@@ -63,7 +63,8 @@ def test_counters_and_run_ids():
         with pytest.raises(ValueError, match="run_id"):
             RunKeys(bad)
     keys = RunKeys("job")
-    assert keys.expect(1, 5) == "rdzv/job/round/1/ctl/expect/5"
+    assert keys.expect(1, "h:7:ab12cd34") == "rdzv/job/round/1/ctl/expect/h:7:ab12cd34"
+    assert keys.rank(1, "h:7:ab12cd34") == "rdzv/job/round/1/rank/h:7:ab12cd34"
     assert keys.status(0).startswith(keys.ctl(0))
 
 

@@ -323,17 +323,20 @@ class StoreContract:
         store.set("rm/a", "1")
         store.set("rm/d/x", "x")
         store.set("rm/d/y", "y")
-        reads = store.read_many(["rm/a", "rm/none"], ["rm/d/", "rm/nothing/"], ["rm/d/", "rm/never"])
+        reads = store.read_many(["rm/a", "rm/none"], ["rm/d/", "rm/nothing/"], ["rm/d/", "rm/never"],
+                                ["rm/d/", "rm/nothing/"])
         assert reads.values == {"rm/a": b"1", "rm/none": None}
         assert reads.counts == {"rm/d/": 2, "rm/nothing/": 0}
         assert reads.revisions == {"rm/d/": store.revision("rm/d/"), "rm/never": 0}
         assert reads.revisions["rm/d/"] > 0
+        assert reads.lists == {"rm/d/": {"rm/d/x": b"x", "rm/d/y": b"y"}, "rm/nothing/": {}}
         view = PrefixStore("rm", store)
-        in_view = view.read_many(["a"], ["d/"], ["d/"])
+        in_view = view.read_many(["a"], ["d/"], ["d/"], ["d/"])
         assert (in_view.values, in_view.counts) == ({"a": b"1"}, {"d/": 2})
         assert in_view.revisions == {"d/": reads.revisions["rm/d/"]}
+        assert in_view.lists == {"d/": {"d/x": b"x", "d/y": b"y"}}
         empty = store.read_many()
-        assert (empty.values, empty.counts, empty.revisions) == ({}, {}, {})
+        assert (empty.values, empty.counts, empty.revisions, empty.lists) == ({}, {}, {}, {})
 
     # -- revision / watch -------------------------------------------------------------------
     def test_revisions_grow_per_path(self, store: Store) -> None:

@@ -30,7 +30,8 @@ class EtcdLease:
         self._client = client
         self._lock = threading.Lock()
         self._id: str | None = None
-        self._lost: str | None = None
+        self._lost: tuple[str, str] | None = None
+        """(lease id, why) of a loss found by the keep-alive and not yet reported."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -42,7 +43,7 @@ class EtcdLease:
         """
         with self._lock:
             if self._lost is not None:
-                reason, self._lost = self._lost, None
+                (_, reason), self._lost = self._lost, None
                 raise SessionExpiredError(
                     f"this client's etcd lease expired ({reason}): its ephemeral keys were "
                     "deleted; write them again to register anew"
@@ -71,13 +72,16 @@ class EtcdLease:
         """Record that ``lease_id`` no longer exists (etcd said so).
 
         Unless the caller already ``reported`` it (raised SessionExpiredError), the next
-        :meth:`id` raises it.
+        :meth:`id` raises it. A report of a loss the keep-alive found first cancels that
+        loss's pending report: the caller learns of one lost lease once.
         """
         with self._lock:
             if self._id == lease_id:
                 logger.warning("etcd lease %s lost: %s", lease_id, reason)
                 self._id = None
-                self._lost = None if reported else reason
+                self._lost = None if reported else (lease_id, reason)
+            elif reported and self._lost is not None and self._lost[0] == lease_id:
+                self._lost = None
 
     def _keep_alive(self, lease_id: str) -> None:
         while not self._stop.wait(self.ttl / 3):

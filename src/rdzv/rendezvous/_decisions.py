@@ -17,7 +17,8 @@ Rules of a forming round r (torch's documented semantics, plus the re-rendezvous
 Rank rule (:func:`plan_ranks`): previous members are preferred over newcomers when there are more
 than ``max_nodes`` joiners. A previous member keeps its rank if it is below the new world size;
 the free ranks are given, lowest first, to the other previous members in the order of their old
-ranks, then to newcomers in arrival order.
+ranks, then to newcomers in the order of their host, pid and node id (as torch orders its node
+descriptors: nodes of one host get neighbouring ranks).
 """
 
 from __future__ import annotations
@@ -109,29 +110,31 @@ def decide(
     return Step(Action.WAIT, wake_at=min(deadline, last_call_end), armed_since=start)
 
 
-def plan_ranks(joiners: Mapping[int, NodeDescriptor], rules: RoundRules) -> dict[int, int] | None:
-    """Arrival index -> rank for the members of the round, or None if fewer than min_nodes."""
+def plan_ranks(joiners: Mapping[str, NodeDescriptor], rules: RoundRules) -> dict[str, int] | None:
+    """Node id -> rank for the members of the round, or None if fewer than min_nodes."""
     if len(joiners) < rules.min_nodes:
         return None
     previous = sorted(
-        (i for i, node in joiners.items() if node.prev_rank is not None),
-        key=lambda i: (joiners[i].prev_rank, i),
+        (node for node in joiners.values() if node.prev_rank is not None),
+        key=lambda node: (node.prev_rank, node.node_id),
     )
-    newcomers = sorted(i for i, node in joiners.items() if node.prev_rank is None)
+    newcomers = sorted(
+        (node for node in joiners.values() if node.prev_rank is None),
+        key=lambda node: (node.host, node.pid, node.node_id),
+    )
     chosen = (previous + newcomers)[: rules.max_nodes]
     world_size = len(chosen)
-    chosen_set = set(chosen)
-    ranks: dict[int, int] = {}
+    ranks: dict[str, int] = {}
     taken: set[int] = set()
-    for index in previous:
-        rank = joiners[index].prev_rank
-        if index in chosen_set and rank is not None and rank < world_size and rank not in taken:
-            ranks[index] = rank
+    for node in chosen:
+        rank = node.prev_rank
+        if rank is not None and rank < world_size and rank not in taken:
+            ranks[node.node_id] = rank
             taken.add(rank)
     free = iter(sorted(set(range(world_size)) - taken))
-    for index in chosen:
-        if index not in ranks:
-            ranks[index] = next(free)
+    for node in chosen:
+        if node.node_id not in ranks:
+            ranks[node.node_id] = next(free)
     return ranks
 
 

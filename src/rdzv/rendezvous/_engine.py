@@ -24,6 +24,7 @@ from typing import Callable
 from ..errors import (
     RendezvousClosedError,
     RendezvousError,
+    RendezvousStateError,
     RendezvousTimeoutError,
     SessionExpiredError,
 )
@@ -51,7 +52,6 @@ class Membership:
     """This node's place in the last round it completed."""
 
     round: int
-    index: int
     rank: int
     world_size: int
     rejoined: bool
@@ -259,33 +259,32 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _join_round(
         self, r: int, previous: Membership | None, deadline: float
     ) -> RendezvousInfo | None:
-        store, keys = self._store, self._keys
-        index = store.add(keys.count(r), 1) - 1
+        store, keys, me = self._store, self._keys, self._node_id
         node = NodeDescriptor(
-            self._node_id, self._host, os.getpid(), self._reserve_port(),
-            previous.rank if previous else None,
+            me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None
         )
         # A member coming back keeps its liveness key in this round until the round is sealed.
         if previous is not None:
             self._stale = self._owned
         else:
             self._garbage += self._owned
-        self._owned = [keys.expect(r + 1, index), keys.node(r, index)]
+        self._owned = [keys.expect(r + 1, me), keys.node(r, me)]
         with store.batch():  # the writes travel with the first look at the round
             store.set(self._owned[0], b"1", ephemeral=True)
             store.set(self._owned[1], encode_node(node), ephemeral=True)
             if previous is not None:
-                self._owned.append(keys.back(r, index))
+                self._owned.append(keys.back(r, me))
                 store.set(self._owned[-1], b"1", ephemeral=True)
             first_look: tuple[RoundView, int] | None = self._observe(r)
+        rank_key = keys.rank(r, me)
         armed_since: float | None = None
         since = 0
         woken = False
         while True:
             if woken:  # after a seal attempt: one read tells a member everything
-                raw = store.try_get(keys.rank(r, index))
+                raw = store.try_get(rank_key)
                 if raw is not None:
-                    return self._collect(r, index, raw, previous)
+                    return self._collect(r, raw, previous)
             view, seen = first_look or self._observe(r)
             first_look = None
             since = max(since, seen)
@@ -307,22 +306,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if step.action is Action.ARM:
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
-                sealed, mine = self._try_seal(r, index)
+                sealed, mine = self._try_seal(r)
                 if mine is not None:  # this node sealed the round: it knows its rank
-                    return self._collect(r, index, mine, previous)
+                    return self._collect(r, mine, previous)
                 if not sealed:
                     self._wait_for_sealer(r, deadline)
                 woken = True
             elif step.action is Action.COLLECT:
-                return self._collect(r, index, store.try_get(keys.rank(r, index)), previous)
+                return self._collect(r, store.try_get(rank_key), previous)
             else:
                 self._delete_garbage()  # while idle
                 # Most wake-ups are the seal: the rank comes with the wake-up (one round trip).
-                since, raw = self._watch_get(
-                    keys.ctl(r), since, step.wake_at - now, keys.rank(r, index)
-                )
+                since, raw = self._watch_get(keys.ctl(r), since, step.wake_at - now, rank_key)
                 if raw is not None:
-                    return self._collect(r, index, raw, previous)
+                    return self._collect(r, raw, previous)
 
     def _observe(self, r: int) -> tuple[RoundView, int]:
         """The round as seen now and the revision of its ``ctl/`` to watch from, in one
@@ -349,52 +346,62 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rejoined = reads.counts[back_dir] if expected else 0
         return RoundView(False, False, alive, rejoined, expected, armed), seen
 
-    def _try_seal(self, r: int, index: int) -> tuple[bool, bytes | None]:
+    def _try_seal(self, r: int) -> tuple[bool, bytes | None]:
         """Seal round r if this node gets the sealer lock.
 
         Returns (False, None) if another node holds the lock; else (True, this node's rank
-        record if this call sealed the round with it). The lock is released when done (an
-        empty value: a quiet write) and by the holder's death, either of which wakes the nodes
-        waiting for it (:meth:`_wait_for_sealer`).
+        record if this call sealed the round with it). One round trip takes the lock, one reads
+        the status and the joiners; the decision and the release (an empty value: a quiet
+        write) travel with a read of ``closed``, which the store answers after applying them:
+        a :meth:`set_closed` that came first is seen here, and the next round is closed too
+        (the seal replaced the closed status); one that came later finds the round sealed and
+        closes the next round itself. The release, or the holder's death, wakes the nodes
+        waiting for the lock (:meth:`_wait_for_sealer`).
         """
         store, keys = self._store, self._keys
         me, lock = self._node_id.encode(), keys.sealer(r)
         if store.compare_set(lock, b"", me, ephemeral=True) != me:
             return False, None
+        status, nodes_dir = keys.status(r), keys.nodes(r)
         mine = None
-        with store.batch():  # the decision and the release travel with the read of `closed`
+        with store.batch():
             try:
-                if store.try_get(keys.status(r)) is None:
-                    mine = self._seal(r, index)
+                reads = store.read_many(keys=[status], lists=[nodes_dir])
+                if reads.values[status] is None:  # not sealed (nor closed) before the lock was ours
+                    mine = self._seal(r, reads.lists[nodes_dir])
             finally:
                 store.set(lock, b"", ephemeral=True)
             closed = store.try_get(keys.closed) is not None
-        if closed:  # closed meanwhile: close the next round
+        if closed:
             store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
         return True, mine
 
-    def _seal(self, r: int, index: int) -> bytes | None:
-        """List round r's joiners and write each one's rank and the decision (lock held).
-
-        Returns joiner ``index``'s rank record (None if it is not a member). With fewer than
-        min_nodes joiners left, writes nothing: the others re-evaluate."""
-        store, keys = self._store, self._keys
-        nodes_dir = keys.nodes(r)
+    def _seal(self, r: int, listed: dict[str, bytes]) -> bytes | None:
+        """Write round r's decision and each joiner's rank, given the ``listed`` descriptors
+        (lock held). Returns this node's rank record (None if it is not a member). With fewer
+        than min_nodes joiners left, writes nothing: the others re-evaluate."""
+        keys, prefix = self._keys, len(self._keys.nodes(r))
         joiners = {}
-        for key, raw in store.list_keys(nodes_dir).items():
-            suffix = key[len(nodes_dir):]
-            joiners[decode_int(key, suffix.encode(), -1)] = decode_node(key, raw)
+        for key, raw in listed.items():
+            node = decode_node(key, raw)
+            if node.node_id != key[prefix:]:
+                raise RendezvousStateError(
+                    f"rendezvous key {key!r} holds the descriptor of node {node.node_id!r}"
+                )
+            joiners[node.node_id] = node
         ranks = plan_ranks(joiners, self._rules)
         if ranks is None:
             return None
-        rank0 = joiners[next(i for i, rank in ranks.items() if rank == 0)]
+        rank0 = joiners[next(node_id for node_id, rank in ranks.items() if rank == 0)]
         decision = Decision(len(ranks), rank0.host, rank0.port)
-        records = {i: encode_rank(rank, decision) for i, rank in ranks.items()}
-        names = [keys.rank(r, i) for i in records] + [keys.status(r), keys.sealed]
-        store.multi_set(names, [*records.values(), encode_decision(decision), str(r).encode()])
+        records = {node_id: encode_rank(rank, decision) for node_id, rank in ranks.items()}
+        names = [keys.rank(r, node_id) for node_id in records] + [keys.status(r), keys.sealed]
+        self._store.multi_set(
+            names, [*records.values(), encode_decision(decision), str(r).encode()]
+        )
         logger.info("rendezvous %s round %d sealed by %s: world_size %d",
                     keys.run_id, r, self._node_id, decision.world_size)
-        return records.get(index)
+        return records.get(self._node_id)
 
     def _wait_for_sealer(self, r: int, deadline: float) -> None:
         """Wait until the node holding round r's sealer lock releases it (done, or dead).
@@ -408,7 +415,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch(lock, since, deadline - time.monotonic())
 
     def _collect(
-        self, r: int, index: int, raw: bytes | None, previous: Membership | None
+        self, r: int, raw: bytes | None, previous: Membership | None
     ) -> RendezvousInfo | None:
         """This node's RendezvousInfo from its rank key in sealed round r; None if it is late."""
         store, keys = self._store, self._keys
@@ -418,13 +425,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._garbage += self._stale + self._owned[1:]
             self._stale, self._owned = [], []
             return None
-        rank_key = keys.rank(r, index)
+        rank_key = keys.rank(r, self._node_id)
         rank, decision = decode_rank(rank_key, raw)
         self._delete_garbage()
         # Only the liveness for round r+1 (expect) stays; the rest was needed to form round r.
         self._garbage = self._stale + self._owned[1:] + [rank_key]
         self._stale, self._owned = [], self._owned[:1]
-        self._member = Membership(r, index, rank, decision.world_size, previous is not None)
+        self._member = Membership(r, rank, decision.world_size, previous is not None)
         return RendezvousInfo(
             PrefixStore(keys.user(r), store),
             rank,

@@ -36,25 +36,17 @@ PASSWORD_ENV = "RDZV_ETCD_PASSWORD"
 _TLS_OPTIONS = ("protocol", "ca_cert", "ssl_cert", "ssl_cert_key")
 
 _ROUND = rf"^{re.escape(ROOT)}/[^/]+/round/[0-9]+/"
-_ARRIVAL_COUNTER = re.compile(_ROUND + "count$")
-"""The engine's arrival counters (:meth:`RunKeys.count`: ``rdzv/<run>/round/<r>/count``)."""
 _CONTROL_DIR = re.compile(_ROUND + "ctl/$")
 """The directories the engine's joiners wait on (:meth:`RunKeys.ctl`)."""
-_JOINER_KEY = re.compile(_ROUND + "(nodes|back|ctl/expect)/[0-9]+$")
-"""A joiner's ephemeral keys (:meth:`RunKeys.node`, ``back`` and ``expect``)."""
+_JOINER_KEY = re.compile(_ROUND + "(nodes|back|ctl/expect)/([^/]+)$")
+"""A joiner's ephemeral keys (:meth:`RunKeys.node`, ``back`` and ``expect``), with its node id."""
 _SEALER_LOCK = re.compile(_ROUND + "sealer$")
 """The lock of the node that seals a round (:meth:`RunKeys.sealer`)."""
 
 
 class RendezvousEtcdStore(EtcdStore):
-    """An EtcdStore tuned for the engine's access pattern: no request is a retried conflict.
+    """An EtcdStore tuned for the engine's access pattern: one request per step, none a retry.
 
-    * ``add(round/<r>/count, 1)``, how every joiner takes its index, is one transaction that
-      puts the counter key and reads it back: the key's etcd ``version`` (the number of puts
-      since it was created) is the count. The read-modify-write of :meth:`EtcdStore.add`
-      would make N joiners that arrive together retry O(N) times each on the one key. The
-      counter's value is not a number then: only its version counts (the engine never reads
-      it). Every other key and amount goes through :meth:`EtcdStore.add`.
     * A revision read (:meth:`revision`, or one in :meth:`read_many`) is the revision etcd is at
       now. The engine only uses ``revision(path)`` as the ``since`` of a later ``watch(path,
       since)``, read before (or with) the state it depends on; any revision etcd reached then
@@ -85,7 +77,8 @@ class RendezvousEtcdStore(EtcdStore):
     _rank: str | None = None
     """The rank key of this client's last arrival (:meth:`RunKeys.rank`)."""
     _node: str | None = None
-    """The descriptor key of this client's last arrival (:meth:`RunKeys.node`)."""
+    """The descriptor key of this client's last arrival (:meth:`RunKeys.node`): its write
+    names the round and node id of the arrival."""
     _delivered: tuple[str, bytes] | None = None
     """A rank key and its value, brought by a watch, for the next :meth:`try_get` of it."""
     _sealer: tuple[str, bytes] | None = None
@@ -94,26 +87,16 @@ class RendezvousEtcdStore(EtcdStore):
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
         if self._sealer is not None and key == self._sealer[0]:
             return self._release(*self._sealer)
-        if not (ephemeral and _JOINER_KEY.match(key)):
+        joiner = _JOINER_KEY.match(key) if ephemeral else None
+        if joiner is None:
             return super().set(key, value, ephemeral=ephemeral)
+        if joiner.group(1) == "nodes":
+            self._node = key
+            self._rank = f"{key[: joiner.start(1)]}rank/{joiner.group(2)}"
         client = cast(WriteBehindClient, self.client)
         if client.on_lease_lost is None:
             client.on_lease_lost = lambda lease, why: self.session.lost(lease, why, reported=True)
         client.hold(self._put(self.etcd_key(key), to_bytes(value), self._lease(True)))
-
-    def add(self, key: str, amount: int) -> int:
-        if amount != 1 or not _ARRIVAL_COUNTER.match(key):
-            return super().add(key, amount)
-        k = b64(self.etcd_key(key))
-        # Re-sent if its answer is lost: at worst an index is skipped, which the engine allows.
-        answer = self.client.call("kv/txn", {"success": [
-            {"request_put": {"key": k, "value": ""}},
-            {"request_range": {"key": k, "keys_only": True}},
-        ]})  # fmt: skip
-        count = int(answer["responses"][1]["response_range"]["kvs"][0]["version"])
-        self._rank = f"{key[: -len('count')]}rank/{count - 1}"
-        self._node = f"{key[: -len('count')]}nodes/{count - 1}"
-        return count
 
     def compare_set(
         self, key: str, expected: Value, desired: Value, *, ephemeral: bool = False
@@ -150,13 +133,17 @@ class RendezvousEtcdStore(EtcdStore):
         })  # fmt: skip
 
     def read_many(
-        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+        self,
+        keys: Sequence[str] = (),
+        counts: Sequence[str] = (),
+        revisions: Sequence[str] = (),
+        lists: Sequence[str] = (),
     ) -> Reads:
         node = self._node
         if node is None or node[: node.rindex("/") + 1] not in counts:
-            return super().read_many(keys, counts, revisions)
+            return super().read_many(keys, counts, revisions, lists)
         # A joiner's look at its round: is its own descriptor (its lease) still there?
-        reads = super().read_many([*keys, node], counts, revisions)
+        reads = super().read_many([*keys, node], counts, revisions, lists)
         if reads.values.pop(node) is None:
             raise self._descriptor_lost(node)
         return reads

@@ -7,17 +7,19 @@ key                            meaning
 =============================  ======================================================================
 ``closed``                     exists once the rendezvous is closed (``set_closed``)
 ``sealed``                     the number of the last completed round (written with its decision)
-``round/<r>/count``            arrival counter: ``add(count, 1)`` gives each joiner its index ``i``
-``round/<r>/nodes/<i>``        EPHEMERAL descriptor of joiner ``i`` (its liveness while r forms)
-``round/<r>/back/<i>``         EPHEMERAL: joiner ``i`` was a member of round r-1 (a rejoin)
-``round/<r>/rank/<i>``         joiner ``i``'s rank and the round's decision (sealer, one ``multi_set``)
+``round/<r>/nodes/<id>``       EPHEMERAL descriptor of joiner ``id`` (its liveness while r forms)
+``round/<r>/back/<id>``        EPHEMERAL: joiner ``id`` was a member of round r-1 (a rejoin)
+``round/<r>/rank/<id>``        joiner ``id``'s rank and the round's decision (sealer, one ``multi_set``)
 ``round/<r>/ctl/status``       the decision once sealed, or ``closed``; absent while forming
 ``round/<r>/ctl/armed``        written once when the round may complete and min_nodes are alive
 ``round/<r>/sealer``           EPHEMERAL lock of the one node that lists the joiners and seals
                                (its node id while held; empty or missing: free)
-``round/<r+1>/ctl/expect/<i>`` EPHEMERAL: joiner ``i`` of round r is alive (written on joining r)
+``round/<r+1>/ctl/expect/<id>`` EPHEMERAL: joiner ``id`` of round r is alive (written on joining r)
 ``round/<r>/user/...``         the members' own keys (``RendezvousInfo.store``)
 =============================  ======================================================================
+
+``<id>`` is the joiner's node id (``host:pid:random``, no ``/``): a joiner's keys need no store
+call to name, so its first write already carries its descriptor.
 
 A waiting node watches only ``round/<r>/ctl/``, which changes O(1) times per round plus once per
 departure of a previous member (never once per join, nor when a node takes the sealer lock), so a
@@ -76,23 +78,20 @@ class RunKeys:
     def round(self, r: int) -> str:
         return f"{self.base}round/{r}/"
 
-    def count(self, r: int) -> str:
-        return self.round(r) + "count"
-
     def nodes(self, r: int) -> str:
         return self.round(r) + "nodes/"
 
-    def node(self, r: int, index: int) -> str:
-        return f"{self.nodes(r)}{index}"
+    def node(self, r: int, node_id: str) -> str:
+        return self.nodes(r) + node_id
 
     def back_dir(self, r: int) -> str:
         return self.round(r) + "back/"
 
-    def back(self, r: int, index: int) -> str:
-        return f"{self.back_dir(r)}{index}"
+    def back(self, r: int, node_id: str) -> str:
+        return self.back_dir(r) + node_id
 
-    def rank(self, r: int, index: int) -> str:
-        return f"{self.round(r)}rank/{index}"
+    def rank(self, r: int, node_id: str) -> str:
+        return f"{self.round(r)}rank/{node_id}"
 
     def ctl(self, r: int) -> str:
         return self.round(r) + "ctl/"
@@ -109,8 +108,8 @@ class RunKeys:
     def expect_dir(self, r: int) -> str:
         return self.ctl(r) + "expect/"
 
-    def expect(self, r: int, index_in_previous: int) -> str:
-        return f"{self.expect_dir(r)}{index_in_previous}"
+    def expect(self, r: int, node_id: str) -> str:
+        return self.expect_dir(r) + node_id
 
     def user(self, r: int) -> str:
         """The PrefixStore prefix of round ``r``'s members' own keys (no trailing slash)."""

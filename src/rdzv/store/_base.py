@@ -62,6 +62,8 @@ class Reads:
     """``count_keys`` of each prefix asked."""
     revisions: dict[str, int]
     """``revision`` of each path asked."""
+    lists: dict[str, dict[str, bytes]]
+    """``list_keys`` of each prefix asked."""
 
 
 def to_bytes(value: Value) -> bytes:
@@ -239,9 +241,10 @@ class Store(abc.ABC):
         keys: Sequence[str] = (),
         counts: Sequence[str] = (),
         revisions: Sequence[str] = (),
+        lists: Sequence[str] = (),
     ) -> Reads:
         """Several non-blocking reads in one call: ``try_get`` of ``keys``, ``count_keys`` of
-        ``counts`` and ``revision`` of ``revisions``.
+        ``counts``, ``revision`` of ``revisions`` and ``list_keys`` of ``lists``.
 
         Stores that can answer them in one round trip do so (TCPStore pipelines the requests,
         the etcd store sends one transaction); this default makes the calls one by one. The
@@ -253,6 +256,7 @@ class Store(abc.ABC):
             {key: self.try_get(key) for key in keys},
             {prefix: self.count_keys(prefix) for prefix in counts},
             revision_of,
+            {prefix: self.list_keys(prefix) for prefix in lists},
         )
 
     def close(self) -> None:

@@ -168,7 +168,10 @@ class EtcdStore(Store):
         return self.count_keys("")
 
     def list_keys(self, prefix: str) -> dict[str, bytes]:
-        kvs = self.client.call("kv/range", self._prefix_range(prefix)).get("kvs", [])
+        return self._items(self.client.call("kv/range", self._prefix_range(prefix)).get("kvs", []))
+
+    def _items(self, kvs: list[KV]) -> dict[str, bytes]:
+        """Store key -> value of etcd's ``kvs`` (the store's prefix cut off)."""
         cut = len(self._head)
         return {unb64(kv["key"])[cut:].decode(): unb64(kv.get("value")) for kv in kvs}
 
@@ -204,7 +207,11 @@ class EtcdStore(Store):
         return max(newest, self._last_delete(path, newest, current))
 
     def read_many(
-        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+        self,
+        keys: Sequence[str] = (),
+        counts: Sequence[str] = (),
+        revisions: Sequence[str] = (),
+        lists: Sequence[str] = (),
     ) -> Reads:
         """All reads in one etcd transaction, so they come from one revision (several
         transactions, each consistent, past etcd's limit of operations per transaction; the
@@ -213,8 +220,9 @@ class EtcdStore(Store):
             [("revision", p, self._revision_read(p)) for p in revisions]
             + [("value", k, {"key": b64(self.etcd_key(k))}) for k in keys]
             + [("count", p, {**self._prefix_range(p), "count_only": True}) for p in counts]
+            + [("list", p, self._prefix_range(p)) for p in lists]
         )
-        reads = Reads({}, {}, {})
+        reads = Reads({}, {}, {}, {})
         for start in range(0, len(asked), MAX_TXN_OPS):
             chunk = asked[start : start + MAX_TXN_OPS]
             answer = self.client.call(
@@ -228,6 +236,8 @@ class EtcdStore(Store):
                     reads.values[name] = unb64(kvs[0].get("value")) if kvs else None
                 elif kind == "count":
                     reads.counts[name] = int(result.get("count", 0))
+                elif kind == "list":
+                    reads.lists[name] = self._items(result.get("kvs", []))
                 else:
                     reads.revisions[name] = self._revision_from(name, result, current)
         return reads

@@ -101,17 +101,22 @@ class PrefixStore(Store):
         return self.underlying_store.watch_get(self._path(path), since, self._k(key), timeout)
 
     def read_many(
-        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+        self,
+        keys: Sequence[str] = (),
+        counts: Sequence[str] = (),
+        revisions: Sequence[str] = (),
+        lists: Sequence[str] = (),
     ) -> Reads:
         cut = len(self._head)
         reads = self.underlying_store.read_many(
             [self._k(k) for k in keys], [self._path(p) for p in counts],
-            [self._path(p) for p in revisions],
+            [self._path(p) for p in revisions], [self._path(p) for p in lists],
         )
         return Reads(
             {k[cut:]: v for k, v in reads.values.items()},
             {p[cut:]: n for p, n in reads.counts.items()},
             {p[cut:]: r for p, r in reads.revisions.items()},
+            {p[cut:]: {k[cut:]: v for k, v in items.items()} for p, items in reads.lists.items()},
         )
 
     def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:

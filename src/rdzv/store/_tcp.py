@@ -63,6 +63,7 @@ _READ_ENCODERS: dict[int, Callable[[int, bytes], bytes]] = {
     P.OP_GET: lambda rid, key: P.encode_get(rid, key, False),
     P.OP_COUNT_KEYS: P.encode_count_keys,
     P.OP_REVISION: P.encode_revision,
+    P.OP_LIST_KEYS: P.encode_list_keys,
 }
 """The encoder of each request kind of :meth:`TCPStore.read_many`."""
 
@@ -275,6 +276,7 @@ class TCPStore(StoreConnection, Store):
         keys: Sequence[str] = (),
         counts: Sequence[str] = (),
         revisions: Sequence[str] = (),
+        lists: Sequence[str] = (),
     ) -> Reads:
         """Several non-blocking reads in one round trip: the requests are sent together
         (pipelined) and answered in order, the revisions first."""
@@ -282,9 +284,10 @@ class TCPStore(StoreConnection, Store):
             *((P.OP_REVISION, p.encode(), "revision", p) for p in revisions),
             *((P.OP_GET, check_key(k).encode(), "try_get", k) for k in keys),
             *((P.OP_COUNT_KEYS, p.encode(), "count_keys", p) for p in counts),
+            *((P.OP_LIST_KEYS, p.encode(), "list_keys", p) for p in lists),
         ]
         if not asked:
-            return Reads({}, {}, {})
+            return Reads({}, {}, {}, {})
         with self._lock:
             first = self._rid + 1
             self._rid += len(asked)
@@ -296,8 +299,11 @@ class TCPStore(StoreConnection, Store):
         revision_of = {p: P.decode_u64(payload) for p, (_, payload) in zip(revisions, answers)}
         answers = answers[len(revision_of) :]
         values = {k: _found(payload) for k, (_, payload) in zip(keys, answers)}
-        numbers = [P.decode_u64(payload) for _, payload in answers[len(values) :]]
-        return Reads(values, dict(zip(counts, numbers)), revision_of)
+        answers = answers[len(values) :]
+        numbers = {p: P.decode_u64(payload) for p, (_, payload) in zip(counts, answers)}
+        listed = answers[len(numbers) :]
+        items = {p: P.decode_items(payload) for p, (_, payload) in zip(lists, listed)}
+        return Reads(values, numbers, revision_of, items)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

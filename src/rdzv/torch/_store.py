@@ -151,9 +151,13 @@ class TorchStore(dist.Store):
         return self._store.watch_get(path, since, key, to_seconds(timeout, self._seconds()))
 
     def read_many(
-        self, keys: Sequence[str] = (), counts: Sequence[str] = (), revisions: Sequence[str] = ()
+        self,
+        keys: Sequence[str] = (),
+        counts: Sequence[str] = (),
+        revisions: Sequence[str] = (),
+        lists: Sequence[str] = (),
     ) -> Reads:
-        return self._store.read_many(keys, counts, revisions)
+        return self._store.read_many(keys, counts, revisions, lists)
 
     def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
         return self._store._get_blocking(keys, timeout)
