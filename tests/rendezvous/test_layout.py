@@ -16,7 +16,7 @@ from rdzv.rendezvous._layout import (
     decode_status,
     encode_decision,
     encode_node,
-    encode_rank,
+    encode_ranks,
 )
 
 KEY = "rdzv/job/round/0/x"
@@ -29,7 +29,11 @@ def test_round_trips():
     assert decode_status(KEY, encode_decision(decision)) == decision
     assert decode_status(KEY, CLOSED_STATUS) is True
     assert decode_status(KEY, None) is None
-    assert decode_rank(KEY, encode_rank(3, decision)) == (3, decision)
+    records = encode_ranks({"a": 3, "b": 0}, decision)
+    assert decode_rank(KEY, records["a"]) == (3, decision)
+    assert decode_rank(KEY, records["b"]) == (0, decision)
+    quoted = Decision(2, 'host "x"\\', 1)  # the shared part is JSON-escaped like the rest
+    assert decode_rank(KEY, encode_ranks({"a": 1}, quoted)["a"]) == (1, quoted)
 
 
 @pytest.mark.parametrize(

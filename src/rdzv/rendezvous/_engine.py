@@ -42,7 +42,7 @@ from ._layout import (
     decode_status,
     encode_decision,
     encode_node,
-    encode_rank,
+    encode_ranks,
 )
 
 logger = logging.getLogger(__name__)
@@ -394,7 +394,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return None
         rank0 = joiners[next(node_id for node_id, rank in ranks.items() if rank == 0)]
         decision = Decision(len(ranks), rank0.host, rank0.port)
-        records = {node_id: encode_rank(rank, decision) for node_id, rank in ranks.items()}
+        records = encode_ranks(ranks, decision)
         names = [keys.rank(r, node_id) for node_id in records] + [keys.status(r), keys.sealed]
         self._store.multi_set(
             names, [*records.values(), encode_decision(decision), str(r).encode()]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from ..errors import RendezvousStateError
 
@@ -171,10 +171,13 @@ def encode_decision(decision: Decision) -> bytes:
 CLOSED_STATUS = _dump({"t": "closed"})
 
 
-def encode_rank(rank: int, decision: Decision) -> bytes:
-    """A member's rank key: its rank with the decision, so one read tells a member everything."""
-    return _dump({"t": "rank", "rank": rank, "world_size": decision.world_size,
-                  "addr": decision.master_addr, "port": decision.master_port})
+def encode_ranks(ranks: Mapping[str, int], decision: Decision) -> dict[str, bytes]:
+    """Each member's rank key: its rank with the decision, so one read tells a member
+    everything. The records differ only in the rank: the rest is encoded once."""
+    head = _dump({"t": "rank"})[:-1] + b',"rank":'
+    tail = _dump({"world_size": decision.world_size, "addr": decision.master_addr,
+                  "port": decision.master_port})[len(b'{"v":1'):]
+    return {node_id: b"%s%d%s" % (head, rank, tail) for node_id, rank in ranks.items()}
 
 
 def decode_rank(key: str, raw: bytes) -> tuple[int, Decision]:
