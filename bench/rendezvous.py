@@ -1,6 +1,6 @@
 """Rendezvous speed: rdzv's tcp backend against torch's c10d backend, side by side.
 
-Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--repeat 3]
+Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--repeat 5]
 [--no-torch]``
 
 How nodes are simulated: every node has its own handler and its own store connection (rdzv: a
@@ -372,7 +372,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="2,8,32,128,1000,10000")
     parser.add_argument("--procs", type=int, default=8, help="worker processes per scenario")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=int, default=5,
                         help="barrier rounds per size and implementation, taken in turns (median shown)")
     parser.add_argument("--no-torch", action="store_true", help="rdzv only")
     parser.add_argument("--nodes", choices=("auto", "threads", "greenlets"), default="auto",

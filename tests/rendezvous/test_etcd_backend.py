@@ -336,17 +336,3 @@ def test_member_paused_mid_rendezvous(
     finally:
         etcd_cluster.resume(leader)
     check_round(form(members, timeout=120.0), 4)  # and again with every member back
-
-
-# -- what the backend's store does differently from EtcdStore ----------------------------------
-
-@pytest.fixture
-def stores(etcd_server: LocalEtcd) -> Iterator[list[RendezvousEtcdStore]]:
-    prefix = key_prefix(fresh_prefix())
-    opened = [RendezvousEtcdStore(etcd_server.endpoint, prefix=prefix, timeout=30)
-              for _ in range(8)]
-    yield opened
-    for store in opened:
-        store.close()
-
-

@@ -114,3 +114,53 @@ def test_shutdown_with_the_store_server_gone_gives_up_after_close_timeout():
         if server.poll() is None:
             server.kill()
             server.wait(timeout=30)
+
+
+DURABLE_SERVER_SCRIPT = (
+    "import sys; from rdzv.server import StoreServer; "
+    "s = StoreServer('127.0.0.1', int(sys.argv[1]), data_dir=sys.argv[2]).start(); "
+    "print(s.port, flush=True); sys.stdin.read()"
+)
+
+
+def test_a_call_retried_after_losing_the_store_joins_with_its_keys_kept(tmp_path, unused_port):
+    """A durable store server is killed while a node waits: its next_rendezvous() raises. Once
+    the server is back (keys and sessions restored from its data dir) the node calls again: it
+    joins the same round under the same keys and must not delete them as leftovers of the failed
+    call, so a second node completes the round with it."""
+
+    def start_server() -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, "-c", DURABLE_SERVER_SCRIPT, str(unused_port), str(tmp_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert int(process.stdout.readline()) == unused_port
+        return process
+
+    spec = {"backend": "tcp", "endpoint": f"127.0.0.1:{unused_port}", "run_id": "job",
+            "min_nodes": 2, "max_nodes": 2, "local_addr": "127.0.0.1", "is_host": False,
+            "read_timeout": 2.0, "join_timeout": 20.0,
+            "heartbeat_interval": 10.0, "heartbeat_misses": 6}  # the session outlives the outage
+    server = start_server()
+    nodes: list[ProcessNode] = []
+    try:
+        nodes.append(ProcessNode(spec))
+        pending = nodes[0].request("next")
+        time.sleep(0.5)  # waiting in round 0
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+        with pytest.raises(NodeError) as info:
+            pending.result(AT_ONCE)
+        assert info.value.type_name == "StoreConnectionError"
+        server = start_server()
+        retried = nodes[0].request("next")
+        time.sleep(1.0)  # waiting again (and deleting what it no longer needs)
+        nodes.append(ProcessNode(spec))
+        second = nodes[1].request("next")
+        check_round([retried.result(AT_ONCE), second.result(AT_ONCE)], 2)
+    finally:
+        for node in nodes:
+            node.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)

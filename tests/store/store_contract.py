@@ -335,6 +335,11 @@ class StoreContract:
         assert (in_view.values, in_view.counts) == ({"a": b"1"}, {"d/": 2})
         assert in_view.revisions == {"d/": reads.revisions["rm/d/"]}
         assert in_view.lists == {"d/": {"d/x": b"x", "d/y": b"y"}}
+        twice = store.read_many(["rm/a", "rm/a"], ["rm/d/", "rm/d/"], ["rm/d/", "rm/d/"],
+                                ["rm/d/", "rm/d/"])
+        assert (twice.values, twice.counts) == ({"rm/a": b"1"}, {"rm/d/": 2}), "asked twice"
+        assert (twice.revisions, twice.lists) == ({"rm/d/": reads.revisions["rm/d/"]},
+                                                  {"rm/d/": reads.lists["rm/d/"]})
         empty = store.read_many()
         assert (empty.values, empty.counts, empty.revisions, empty.lists) == ({}, {}, {}, {})
 

@@ -233,6 +233,14 @@ class RendezvousParameters:
                 f"The rendezvous run_id {run_id!r} must not contain '/' or whitespace;"
                 " use e.g. 'job-42'."
             )
+        if local_addr is not None and (
+            not isinstance(local_addr, str) or not local_addr
+            or "/" in local_addr or any(ch.isspace() for ch in local_addr)
+        ):
+            raise RendezvousParameterError(
+                f"The rendezvous local_addr {local_addr!r} must be this node's host name or IP "
+                "address as the other nodes reach it (no '/' or whitespace), e.g. '10.0.0.5'."
+            )
         if endpoint is None:
             endpoint = ""
         if not isinstance(endpoint, str):

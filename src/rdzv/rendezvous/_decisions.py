@@ -15,7 +15,8 @@ Rules of a forming round r (torch's documented semantics, plus the re-rendezvous
 * Past the join deadline the node gives up (RendezvousTimeoutError).
 
 Rank rule (:func:`plan_ranks`): previous members are preferred over newcomers when there are more
-than ``max_nodes`` joiners. A previous member keeps its rank if it is below the new world size;
+than ``max_nodes`` joiners, then newcomers in the order below. A previous member keeps its rank
+if it is below the new world size;
 the free ranks are given, lowest first, to the other previous members in the order of their old
 ranks, then to newcomers in the order of their host, pid and node id (as torch orders its node
 descriptors: nodes of one host get neighbouring ranks).

@@ -147,11 +147,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._open_query_store = query_store
         self._query_store: Store | None = None
         self._query_lock = threading.Lock()
-        self._node_id = f"{self._host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._node_id = self._new_node_id()
         self._member: Membership | None = None
-        self._owned: list[str] = []
         self._port: PortReservation | None = None
         """The port this node offers as the bootstrap port, held until its next round."""
+        self._owned: list[str] = []
         """Keys this node wrote for its current round (the first: its liveness for the next)."""
         self._stale: list[str] = []
         """Keys of the previous round still needed until the current one is sealed."""
@@ -263,18 +263,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node = NodeDescriptor(
             me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None
         )
-        # A member coming back keeps its liveness key in this round until the round is sealed.
+        writes = {keys.expect(r + 1, me): b"1", keys.node(r, me): encode_node(node)}
         if previous is not None:
-            self._stale = self._owned
-        else:
-            self._garbage += self._owned
-        self._owned = [keys.expect(r + 1, me), keys.node(r, me)]
+            writes[keys.back(r, me)] = b"1"
+        # A member coming back keeps its liveness in this round until the round is sealed.
+        # What an earlier call left is garbage, except what this one writes again (a call that
+        # failed and is retried joins under the same keys).
+        stale = [keys.expect(r, me)] if previous is not None else []
+        self._garbage = [
+            key for key in dict.fromkeys(self._garbage + self._stale + self._owned)
+            if key not in writes and key not in stale
+        ]
+        self._owned, self._stale = list(writes), stale
         with store.batch():  # the writes travel with the first look at the round
-            store.set(self._owned[0], b"1", ephemeral=True)
-            store.set(self._owned[1], encode_node(node), ephemeral=True)
-            if previous is not None:
-                self._owned.append(keys.back(r, me))
-                store.set(self._owned[-1], b"1", ephemeral=True)
+            for key, value in writes.items():
+                store.set(key, value, ephemeral=True)
             first_look: tuple[RoundView, int] | None = self._observe(r)
         rank_key = keys.rank(r, me)
         armed_since: float | None = None
@@ -480,11 +483,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._port = PortReservation(self._host)
         return self._port.port
 
+    def _new_node_id(self) -> str:
+        """``host:pid:random``: unique, and the name of this node's keys (no ``/``)."""
+        return f"{self._host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
     def _forget_session(self, exc: SessionExpiredError) -> None:
         """The store session (its ephemeral keys) expired: the others have dropped this node,
-        which joins again as a new node (its keys went with the session)."""
-        logger.warning("rendezvous %s: %s lost its session (%s); joining again as a new node",
-                       self._keys.run_id, self._node_id, exc)
+        which joins again as a new node, under a new node id (a seal that listed its old
+        descriptor just before it vanished must not hand the new node that one's rank)."""
+        old, self._node_id = self._node_id, self._new_node_id()
+        logger.warning("rendezvous %s: %s lost its session (%s); joining again as new node %s",
+                       self._keys.run_id, old, exc, self._node_id)
         self._member = None
         self._owned, self._stale = [], []
 

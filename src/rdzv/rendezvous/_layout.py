@@ -2,21 +2,21 @@
 
 Every key of run ``<run>`` lives under ``rdzv/<run>/``; round ``r`` under ``rdzv/<run>/round/<r>/``:
 
-=============================  ======================================================================
-key                            meaning
-=============================  ======================================================================
-``closed``                     exists once the rendezvous is closed (``set_closed``)
-``sealed``                     the number of the last completed round (written with its decision)
-``round/<r>/nodes/<id>``       EPHEMERAL descriptor of joiner ``id`` (its liveness while r forms)
-``round/<r>/back/<id>``        EPHEMERAL: joiner ``id`` was a member of round r-1 (a rejoin)
-``round/<r>/rank/<id>``        joiner ``id``'s rank and the round's decision (sealer, one ``multi_set``)
-``round/<r>/ctl/status``       the decision once sealed, or ``closed``; absent while forming
-``round/<r>/ctl/armed``        written once when the round may complete and min_nodes are alive
-``round/<r>/sealer``           EPHEMERAL lock of the one node that lists the joiners and seals
-                               (its node id while held; empty or missing: free)
-``round/<r+1>/ctl/expect/<id>`` EPHEMERAL: joiner ``id`` of round r is alive (written on joining r)
-``round/<r>/user/...``         the members' own keys (``RendezvousInfo.store``)
-=============================  ======================================================================
+===============================  ==================================================================
+key                              meaning
+===============================  ==================================================================
+``closed``                       exists once the rendezvous is closed (``set_closed``)
+``sealed``                       the number of the last completed round (written with its decision)
+``round/<r>/nodes/<id>``         EPHEMERAL descriptor of joiner ``id`` (its liveness while r forms)
+``round/<r>/back/<id>``          EPHEMERAL: joiner ``id`` was a member of round r-1 (a rejoin)
+``round/<r>/rank/<id>``          joiner ``id``'s rank and the decision (the sealer's ``multi_set``)
+``round/<r>/ctl/status``         the decision once sealed, or ``closed``; absent while forming
+``round/<r>/ctl/armed``          written once when the round may complete and min_nodes are alive
+``round/<r>/sealer``             EPHEMERAL lock of the one node that lists the joiners and seals
+                                 (its node id while held; empty or missing: free)
+``round/<r+1>/ctl/expect/<id>``  EPHEMERAL: joiner ``id`` of round r is alive (written on joining r)
+``round/<r>/user/...``           the members' own keys (``RendezvousInfo.store``)
+===============================  ==================================================================
 
 ``<id>`` is the joiner's node id (``host:pid:random``, no ``/``): a joiner's keys need no store
 call to name, so its first write already carries its descriptor.
@@ -27,7 +27,8 @@ round costs each node O(1) wake-ups.
 The counts a node needs (alive joiners, rejoined members, alive previous members, nodes waiting)
 come from ``count_keys`` and cost O(1) each.
 
-Values are JSON objects with ``"v": 1``; anything else raises RendezvousStateError naming the key.
+Values are JSON objects with ``"v": 2`` (version 1 named a joiner's keys by an arrival index);
+anything else raises RendezvousStateError naming the key.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, Mapping
 
 from ..errors import RendezvousStateError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ROOT = "rdzv"
 
 
@@ -176,7 +177,7 @@ def encode_ranks(ranks: Mapping[str, int], decision: Decision) -> dict[str, byte
     everything. The records differ only in the rank: the rest is encoded once."""
     head = _dump({"t": "rank"})[:-1] + b',"rank":'
     tail = _dump({"world_size": decision.world_size, "addr": decision.master_addr,
-                  "port": decision.master_port})[len(b'{"v":1'):]
+                  "port": decision.master_port})[len(_dump({})) - 1:]
     return {node_id: b"%s%d%s" % (head, rank, tail) for node_id, rank in ranks.items()}
 
 

@@ -168,6 +168,9 @@ class StaticRendezvousHandler(RendezvousHandler):
                 f"rank 0 at {self.master_addr}:{self.master_port} while waiting for the other ranks "
                 f"({exc}); rank 0 stopped (timed out, failed or was killed)."
             ) from exc
+        logger.info(
+            "static rendezvous '%s' complete: rank %d of %d", self.run_id, self.rank, self.world_size
+        )
 
     def _announce(self, store: Store) -> None:
         """Write this rank's arrival (a node restarted with the same rank replaces its token)."""
@@ -184,10 +187,6 @@ class StaticRendezvousHandler(RendezvousHandler):
 
     def _arrived_key(self, rank: int) -> str:
         return f"{_KEY_ROOT}/{self.run_id}/arrived/{rank}"
-
-        logger.info(
-            "static rendezvous '%s' complete: rank %d of %d", self.run_id, self.rank, self.world_size
-        )
 
     def is_closed(self) -> bool:
         if self._closed.is_set():

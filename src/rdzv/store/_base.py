@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import ClassVar, Iterable, Iterator, Sequence, Union
 
@@ -62,7 +62,7 @@ class Reads:
     """``count_keys`` of each prefix asked."""
     revisions: dict[str, int]
     """``revision`` of each path asked."""
-    lists: dict[str, dict[str, bytes]]
+    lists: dict[str, dict[str, bytes]] = field(default_factory=dict)
     """``list_keys`` of each prefix asked."""
 
 

@@ -23,6 +23,7 @@ request id of each session and answers a resent one without applying it).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import struct
 import threading
@@ -296,14 +297,13 @@ class TCPStore(StoreConnection, Store):
         for (status, payload), (_, _, what, name) in zip(answers, asked):
             if status:
                 raise self._error(status, payload, what, name)
-        revision_of = {p: P.decode_u64(payload) for p, (_, payload) in zip(revisions, answers)}
-        answers = answers[len(revision_of) :]
-        values = {k: _found(payload) for k, (_, payload) in zip(keys, answers)}
-        answers = answers[len(values) :]
-        numbers = {p: P.decode_u64(payload) for p, (_, payload) in zip(counts, answers)}
-        listed = answers[len(numbers) :]
-        items = {p: P.decode_items(payload) for p, (_, payload) in zip(lists, listed)}
-        return Reads(values, numbers, revision_of, items)
+        ends = list(itertools.accumulate((len(revisions), len(keys), len(counts))))
+        return Reads(
+            {k: _found(payload) for k, (_, payload) in zip(keys, answers[ends[0] :])},
+            {p: P.decode_u64(payload) for p, (_, payload) in zip(counts, answers[ends[1] :])},
+            {p: P.decode_u64(payload) for p, (_, payload) in zip(revisions, answers)},
+            {p: P.decode_items(payload) for p, (_, payload) in zip(lists, answers[ends[2] :])},
+        )
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
