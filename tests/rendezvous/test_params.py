@@ -28,6 +28,9 @@ def tcp(**options: object) -> RendezvousParameters:
         (("tcp", "h:1", "job", "two", 2), "min_nodes must be an integer, got 'two'"),
         (("tcp", "h:1", "job", 1, True), "max_nodes must be an integer, got True"),
         (("tcp", 29400, "job", 1, 1), "endpoint must be a string such as 'host:29400', not int"),
+        (("tcp", "h:1", "job", 1, 1, "10.0.0.5/24"),
+         "local_addr '10.0.0.5/24' must be this node's host name or IP address"),
+        (("tcp", "h:1", "job", 1, 1, ""), "local_addr '' must be"),
     ],
 )
 def test_invalid_parameters_are_named(args: tuple, message: str) -> None:
