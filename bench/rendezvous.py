@@ -173,6 +173,7 @@ class Worker:
         self.process = subprocess.Popen(
             [sys.executable, *greenlets, HERE, "--worker", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},  # torch's per-socket warnings
         )
 
     def read(self) -> dict[str, Any]:

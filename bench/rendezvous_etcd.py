@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.request
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ def _handler(spec: dict[str, Any]) -> Any:
             "etcd", spec["endpoint"], spec["run_id"], spec["n"], spec["n"], local_addr=HOST,
             etcd_prefix="/bench-rdzv", read_timeout=REPLY_TIMEOUT, join_timeout=REPLY_TIMEOUT,
         ))
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # numpy is not needed
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
