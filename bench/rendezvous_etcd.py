@@ -33,6 +33,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch's; not needed here
+
 HOST = "127.0.0.1"
 HERE = os.path.abspath(__file__)
 REPLY_TIMEOUT = 600.0
@@ -49,7 +51,6 @@ def _handler(spec: dict[str, Any]) -> Any:
             "etcd", spec["endpoint"], spec["run_id"], spec["n"], spec["n"], local_addr=HOST,
             etcd_prefix="/bench-rdzv", read_timeout=REPLY_TIMEOUT, join_timeout=REPLY_TIMEOUT,
         ))
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # numpy is not needed
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
