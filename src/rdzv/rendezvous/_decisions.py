@@ -14,12 +14,11 @@ Rules of a forming round r (torch's documented semantics, plus the re-rendezvous
   ``last_call_timeout`` has passed on the observing node's own clock since it saw it armed.
 * Past the join deadline the node gives up (RendezvousTimeoutError).
 
-Rank rule (:func:`plan_ranks`): previous members are preferred over newcomers when there are more
-than ``max_nodes`` joiners, then newcomers in the order below. A previous member keeps its rank
-if it is below the new world size;
-the free ranks are given, lowest first, to the other previous members in the order of their old
-ranks, then to newcomers in the order of their host, pid and node id (as torch orders its node
-descriptors: nodes of one host get neighbouring ranks).
+Rank rule (:func:`plan_ranks`): newcomers are ordered by host, pid and node id (as torch orders
+its node descriptors: nodes of one host get neighbouring ranks). With more than ``max_nodes``
+joiners, previous members are chosen first, then newcomers in that order. A previous member keeps
+its rank if it is below the new world size; the free ranks are given, lowest first, to the other
+previous members in the order of their old ranks, then to the newcomers in their order.
 """
 
 from __future__ import annotations
