@@ -48,8 +48,9 @@ def test_a_crashing_worker_is_restarted_then_the_run_fails_with_a_summary(
     failed = nodes[codes.index(1)] if 1 in codes else None
     assert failed is not None, f"exit codes {codes}:\n{nodes[0].output()}{nodes[1].output()}"
     text = failed.output()
-    assert "restart 1 of 2" in text and "restart 2 of 2" in text
-    assert "rdzv run failed: workers failed after 2 restart(s)" in text
+    both = nodes[0].output() + nodes[1].output()
+    assert "restart 1 of 2" in text and "restart 2 of 2" in text, both
+    assert "rdzv run failed: workers failed after 2 restart(s)" in text, both
     assert "root cause: global rank 3 (local rank 1" in text
     assert "exit code 1" in text
     assert "ValueError: rank 3 fails on purpose" in text

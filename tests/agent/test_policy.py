@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from rdzv.agent._agent import Action, on_membership_change, on_worker_exit, worker_env
 from rdzv.agent._config import LaunchConfig
-from rdzv.agent._round import Assignment, plan_assignments
+from rdzv.agent._round import Assignment, all_done, mark_done, plan_assignments
+from rdzv.rendezvous import RendezvousInfo
+from rdzv.store import HashStore
 
 
 def test_a_failure_restarts_until_the_budget_is_spent() -> None:
@@ -38,3 +40,13 @@ def test_worker_env_keeps_the_users_omp_setting() -> None:
     assert env["TORCHELASTIC_RESTART_COUNT"] == "2" and env["ROLE_NAME"] == "r"
     assert env["OMP_NUM_THREADS"] == "8" and env["PATH"] == "/bin"
     assert worker_env(config, assignment, 0, 0, {})["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_node_marked_done_twice_still_waits_for_the_others() -> None:
+    store = HashStore()
+    first, second = RendezvousInfo(store, 0, 2), RendezvousInfo(store, 1, 2)
+    mark_done(first)
+    mark_done(first)  # two workers' exits reported the same success
+    assert not all_done(first)
+    mark_done(second)
+    assert all_done(first) and all_done(second)

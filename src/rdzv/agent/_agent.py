@@ -350,6 +350,8 @@ class ElasticAgent:
                 if getattr(event, "generation", None) != generation:
                     continue  # an event of an earlier round
                 if isinstance(event, WorkerExited):
+                    if finished_at is not None:
+                        continue  # the exit of a worker already counted in the success
                     codes = group.returncodes()
                     action = on_worker_exit(codes, self.restarts, self.config.max_restarts)
                     if action is Action.SUCCEED:

@@ -32,8 +32,7 @@ from ..store import Store
 logger = logging.getLogger(__name__)
 
 ASSIGN_KEY = "agent/assign/"
-DONE_COUNT_KEY = "agent/done"
-ALL_DONE_KEY = "agent/all-done"
+DONE_DIR = "agent/done/"
 ALIVE_DIR = AGENT_ALIVE
 """Each node's ephemeral sign of life in its round's store: the wall time it last wrote it."""
 HEARTBEAT_EVERY = 5.0
@@ -155,14 +154,13 @@ def mark_alive(info: RendezvousInfo) -> None:
 
 
 def mark_done(info: RendezvousInfo) -> None:
-    """Count this node as finished in its round (the last one to finish sets ``all-done``)."""
-    if info.store.add(DONE_COUNT_KEY, 1) >= info.world_size:
-        info.store.set(ALL_DONE_KEY, b"1")
+    """Mark this node as finished in its round; marking it again changes nothing."""
+    info.store.set(f"{DONE_DIR}{info.rank}", b"1")
 
 
 def all_done(info: RendezvousInfo) -> bool:
     """Whether every node of the round has finished."""
-    return info.store.check([ALL_DONE_KEY])
+    return info.store.count_keys(DONE_DIR) >= info.world_size
 
 
 def hosts_store(store: Store) -> bool:
