@@ -8,8 +8,10 @@ from rdzv.errors import RendezvousStateError
 from rdzv.rendezvous._layout import (
     CLOSED_STATUS,
     Decision,
+    JoinerKey,
     NodeDescriptor,
     RunKeys,
+    control_dir_round,
     decode_int,
     decode_node,
     decode_rank,
@@ -17,6 +19,8 @@ from rdzv.rendezvous._layout import (
     encode_decision,
     encode_node,
     encode_ranks,
+    is_sealer_lock,
+    parse_joiner_key,
 )
 
 KEY = "rdzv/job/round/0/x"
@@ -76,3 +80,20 @@ def test_taking_the_sealer_lock_wakes_no_waiting_node():
     keys = RunKeys("job")
     assert not keys.sealer(3).startswith(keys.ctl(3)), "waiting nodes watch ctl/"
     assert keys.status(3).startswith(keys.ctl(3)) and keys.armed(3).startswith(keys.ctl(3))
+
+
+def test_the_etcd_backend_recognises_the_keys_run_keys_builds() -> None:
+    keys = RunKeys("job")
+    node = parse_joiner_key(keys.node(3, "h:1:ab"))
+    assert node == JoinerKey(keys.round(3), "nodes", "h:1:ab")
+    assert node.rank == keys.rank(3, "h:1:ab")
+    assert parse_joiner_key(keys.back(3, "h:1:ab")) == JoinerKey(keys.round(3), "back", "h:1:ab")
+    assert parse_joiner_key(keys.expect(4, "x")) == JoinerKey(keys.round(4), "expect", "x")
+    for other in (keys.rank(3, "x"), keys.status(3), keys.sealer(3), keys.nodes(3),
+                  keys.user(3) + "/nodes/x", keys.sealed, "nodes/x"):
+        assert parse_joiner_key(other) is None, other
+    assert is_sealer_lock(keys.sealer(0)) and not is_sealer_lock(keys.sealer(0) + "x")
+    assert not is_sealer_lock(keys.user(0) + "/sealer")
+    assert control_dir_round(keys.ctl(7)) == keys.round(7)
+    assert control_dir_round(keys.expect_dir(7)) is None
+    assert control_dir_round(keys.round(7)) is None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any, Sequence, cast
 
 from ..errors import RendezvousParameterError, SessionExpiredError, StoreAuthenticationError
@@ -26,7 +25,7 @@ from ..store._base import Reads, Timeout, Value, to_bytes, to_seconds
 from ..store._etcd import EtcdStore
 from ._api import RendezvousParameters
 from ._engine import DynamicRendezvousHandler
-from ._layout import ROOT
+from ._layout import control_dir_round, is_sealer_lock, parse_joiner_key
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +33,6 @@ USER_ENV = "RDZV_ETCD_USER"
 PASSWORD_ENV = "RDZV_ETCD_PASSWORD"
 
 _TLS_OPTIONS = ("protocol", "ca_cert", "ssl_cert", "ssl_cert_key")
-
-_ROUND = rf"^{re.escape(ROOT)}/[^/]+/round/[0-9]+/"
-_CONTROL_DIR = re.compile(_ROUND + "ctl/$")
-"""The directories the engine's joiners wait on (:meth:`RunKeys.ctl`)."""
-_JOINER_KEY = re.compile(_ROUND + "(nodes|back|ctl/expect)/([^/]+)$")
-"""A joiner's ephemeral keys (:meth:`RunKeys.node`, ``back`` and ``expect``), with its node id."""
-_SEALER_LOCK = re.compile(_ROUND + "sealer$")
-"""The lock of the node that seals a round (:meth:`RunKeys.sealer`)."""
 
 
 class RendezvousEtcdStore(EtcdStore):
@@ -87,12 +78,12 @@ class RendezvousEtcdStore(EtcdStore):
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
         if self._sealer is not None and key == self._sealer[0]:
             return self._release(*self._sealer)
-        joiner = _JOINER_KEY.match(key) if ephemeral else None
+        joiner = parse_joiner_key(key) if ephemeral else None
         if joiner is None:
             return super().set(key, value, ephemeral=ephemeral)
-        if joiner.group(1) == "nodes":
+        if joiner.kind == "nodes":
             self._node = key
-            self._rank = f"{key[: joiner.start(1)]}rank/{joiner.group(2)}"
+            self._rank = joiner.rank
         client = cast(WriteBehindClient, self.client)
         if client.on_lease_lost is None:
             client.on_lease_lost = lambda lease, why: self.session.lost(lease, why, reported=True)
@@ -102,7 +93,7 @@ class RendezvousEtcdStore(EtcdStore):
         self, key: str, expected: Value, desired: Value, *, ephemeral: bool = False
     ) -> bytes:
         result = super().compare_set(key, expected, desired, ephemeral=ephemeral)
-        if ephemeral and result and result == to_bytes(desired) and _SEALER_LOCK.match(key):
+        if ephemeral and result and result == to_bytes(desired) and is_sealer_lock(key):
             self._sealer = (key, result)
         return result
 
@@ -176,12 +167,12 @@ class RendezvousEtcdStore(EtcdStore):
         return super().try_get(key)
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
-        if not _CONTROL_DIR.match(path):
+        round_path = control_dir_round(path)
+        if round_path is None:
             return super().watch(path, since, timeout)
         seconds = to_seconds(timeout, self._timeout)
         if seconds <= 0:
             return int(since)
-        round_path = path[: -len("ctl/")]
         rank = self._rank if self._rank and self._rank.startswith(round_path) else None
         node = self._node if self._node and self._node.startswith(round_path) else None
         start = int(since) + 1

@@ -34,6 +34,7 @@ anything else raises RendezvousStateError naming the key.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -41,6 +42,16 @@ from ..errors import RendezvousStateError
 
 FORMAT_VERSION = 2
 ROOT = "rdzv"
+
+# The names under a round's directory, shared by RunKeys (which builds keys) and the parsers
+# below (which recognise them, for the etcd backend's one-request steps).
+_NODES = "nodes/"
+_BACK = "back/"
+_RANK = "rank/"
+_CTL = "ctl/"
+_EXPECT = _CTL + "expect/"
+_SEALER = "sealer"
+_ROUND_DIR = re.compile(rf"{re.escape(ROOT)}/[^/]+/round/[0-9]+/")
 
 
 @dataclass(frozen=True)
@@ -80,22 +91,22 @@ class RunKeys:
         return f"{self.base}round/{r}/"
 
     def nodes(self, r: int) -> str:
-        return self.round(r) + "nodes/"
+        return self.round(r) + _NODES
 
     def node(self, r: int, node_id: str) -> str:
         return self.nodes(r) + node_id
 
     def back_dir(self, r: int) -> str:
-        return self.round(r) + "back/"
+        return self.round(r) + _BACK
 
     def back(self, r: int, node_id: str) -> str:
         return self.back_dir(r) + node_id
 
     def rank(self, r: int, node_id: str) -> str:
-        return f"{self.round(r)}rank/{node_id}"
+        return self.round(r) + _RANK + node_id
 
     def ctl(self, r: int) -> str:
-        return self.round(r) + "ctl/"
+        return self.round(r) + _CTL
 
     def status(self, r: int) -> str:
         return self.ctl(r) + "status"
@@ -104,10 +115,10 @@ class RunKeys:
         return self.ctl(r) + "armed"
 
     def sealer(self, r: int) -> str:
-        return self.round(r) + "sealer"
+        return self.round(r) + _SEALER
 
     def expect_dir(self, r: int) -> str:
-        return self.ctl(r) + "expect/"
+        return self.round(r) + _EXPECT
 
     def expect(self, r: int, node_id: str) -> str:
         return self.expect_dir(r) + node_id
@@ -115,6 +126,51 @@ class RunKeys:
     def user(self, r: int) -> str:
         """The PrefixStore prefix of round ``r``'s members' own keys (no trailing slash)."""
         return self.round(r) + "user"
+
+
+def _split_round_key(key: str) -> tuple[str, str]:
+    """``(round directory, rest)`` of a key of any run's round; ``("", key)`` for another key."""
+    match = _ROUND_DIR.match(key)
+    return (match.group(), key[match.end():]) if match else ("", key)
+
+
+@dataclass(frozen=True)
+class JoinerKey:
+    """One of a joiner's ephemeral keys, parsed: its descriptor, its "back" mark or its
+    liveness for the next round (``expect``)."""
+
+    round_dir: str
+    kind: str
+    """``"nodes"``, ``"back"`` or ``"expect"``."""
+    node_id: str
+
+    @property
+    def rank(self) -> str:
+        """The key of this joiner's rank in the round of ``round_dir``."""
+        return self.round_dir + _RANK + self.node_id
+
+
+def parse_joiner_key(key: str) -> JoinerKey | None:
+    """The joiner key ``key`` is (:meth:`RunKeys.node`, ``back``, ``expect``), else None."""
+    round_dir, rest = _split_round_key(key)
+    for kind, directory in (("nodes", _NODES), ("back", _BACK), ("expect", _EXPECT)):
+        node_id = rest[len(directory):]
+        if round_dir and rest.startswith(directory) and node_id and "/" not in node_id:
+            return JoinerKey(round_dir, kind, node_id)
+    return None
+
+
+def is_sealer_lock(key: str) -> bool:
+    """Whether ``key`` is a round's sealer lock (:meth:`RunKeys.sealer`)."""
+    round_dir, rest = _split_round_key(key)
+    return bool(round_dir) and rest == _SEALER
+
+
+def control_dir_round(path: str) -> str | None:
+    """The round directory of ``path`` if it is a round's control directory
+    (:meth:`RunKeys.ctl`, what waiting joiners watch), else None."""
+    round_dir, rest = _split_round_key(path)
+    return round_dir if round_dir and rest == _CTL else None
 
 
 def _dump(payload: dict[str, Any]) -> bytes:
