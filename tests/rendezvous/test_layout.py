@@ -86,7 +86,7 @@ def test_the_etcd_backend_recognises_the_keys_run_keys_builds() -> None:
     keys = RunKeys("job")
     node = parse_joiner_key(keys.node(3, "h:1:ab"))
     assert node == JoinerKey(keys.round(3), "nodes", "h:1:ab")
-    assert node.rank == keys.rank(3, "h:1:ab")
+    assert node is not None and node.rank_key == keys.rank(3, "h:1:ab")
     assert parse_joiner_key(keys.back(3, "h:1:ab")) == JoinerKey(keys.round(3), "back", "h:1:ab")
     assert parse_joiner_key(keys.expect(4, "x")) == JoinerKey(keys.round(4), "expect", "x")
     for other in (keys.rank(3, "x"), keys.status(3), keys.sealer(3), keys.nodes(3),

@@ -117,6 +117,7 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     entry = {"nproc": nproc, "role": role, "host": host, "pid": os.getpid(), "time": time.time(),
              "join_s": round(join_seconds, 6)}
     store.set(f"{NODE_KEY}{rank}", json.dumps(entry))
+    store.delete_key(f"{DONE_DIR}{rank}")  # a static node restarted after it had finished
     mark_alive(info)
     if rank == 0:
         keys = [f"{NODE_KEY}{g}" for g in range(size)]

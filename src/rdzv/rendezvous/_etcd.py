@@ -83,7 +83,7 @@ class RendezvousEtcdStore(EtcdStore):
             return super().set(key, value, ephemeral=ephemeral)
         if joiner.kind == "nodes":
             self._node = key
-            self._rank = joiner.rank
+            self._rank = joiner.rank_key
         client = cast(WriteBehindClient, self.client)
         if client.on_lease_lost is None:
             client.on_lease_lost = lambda lease, why: self.session.lost(lease, why, reported=True)

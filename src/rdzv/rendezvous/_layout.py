@@ -49,7 +49,8 @@ _NODES = "nodes/"
 _BACK = "back/"
 _RANK = "rank/"
 _CTL = "ctl/"
-_EXPECT = _CTL + "expect/"
+_EXPECT = "expect/"
+"""Under ``_CTL``."""
 _SEALER = "sealer"
 _ROUND_DIR = re.compile(rf"{re.escape(ROOT)}/[^/]+/round/[0-9]+/")
 
@@ -118,7 +119,7 @@ class RunKeys:
         return self.round(r) + _SEALER
 
     def expect_dir(self, r: int) -> str:
-        return self.round(r) + _EXPECT
+        return self.ctl(r) + _EXPECT
 
     def expect(self, r: int, node_id: str) -> str:
         return self.expect_dir(r) + node_id
@@ -128,10 +129,10 @@ class RunKeys:
         return self.round(r) + "user"
 
 
-def _split_round_key(key: str) -> tuple[str, str]:
-    """``(round directory, rest)`` of a key of any run's round; ``("", key)`` for another key."""
+def _split_round_key(key: str) -> tuple[str, str] | None:
+    """``(round directory, rest)`` of a key under any run's round, else None."""
     match = _ROUND_DIR.match(key)
-    return (match.group(), key[match.end():]) if match else ("", key)
+    return (match.group(), key[match.end():]) if match else None
 
 
 @dataclass(frozen=True)
@@ -145,32 +146,36 @@ class JoinerKey:
     node_id: str
 
     @property
-    def rank(self) -> str:
-        """The key of this joiner's rank in the round of ``round_dir``."""
+    def rank_key(self) -> str:
+        """The key the sealer of ``round_dir`` writes this joiner's rank to (for a descriptor,
+        ``kind == "nodes"``, the rank of the round it joins)."""
         return self.round_dir + _RANK + self.node_id
 
 
 def parse_joiner_key(key: str) -> JoinerKey | None:
     """The joiner key ``key`` is (:meth:`RunKeys.node`, ``back``, ``expect``), else None."""
-    round_dir, rest = _split_round_key(key)
-    for kind, directory in (("nodes", _NODES), ("back", _BACK), ("expect", _EXPECT)):
-        node_id = rest[len(directory):]
-        if round_dir and rest.startswith(directory) and node_id and "/" not in node_id:
-            return JoinerKey(round_dir, kind, node_id)
+    split = _split_round_key(key)
+    if split is None:
+        return None
+    round_dir, rest = split
+    for kind, directory in (("nodes", _NODES), ("back", _BACK), ("expect", _CTL + _EXPECT)):
+        if rest.startswith(directory):
+            node_id = rest[len(directory):]
+            return JoinerKey(round_dir, kind, node_id) if node_id and "/" not in node_id else None
     return None
 
 
 def is_sealer_lock(key: str) -> bool:
     """Whether ``key`` is a round's sealer lock (:meth:`RunKeys.sealer`)."""
-    round_dir, rest = _split_round_key(key)
-    return bool(round_dir) and rest == _SEALER
+    split = _split_round_key(key)
+    return split is not None and split[1] == _SEALER
 
 
 def control_dir_round(path: str) -> str | None:
     """The round directory of ``path`` if it is a round's control directory
     (:meth:`RunKeys.ctl`, what waiting joiners watch), else None."""
-    round_dir, rest = _split_round_key(path)
-    return round_dir if round_dir and rest == _CTL else None
+    split = _split_round_key(path)
+    return split[0] if split is not None and split[1] == _CTL else None
 
 
 def _dump(payload: dict[str, Any]) -> bytes:
