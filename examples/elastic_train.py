@@ -44,9 +44,14 @@ def make_dataset(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-def make_model() -> nn.Module:
+def make_model(frozen_mb: float = 0.0) -> nn.Module:
+    """The trained network; ``frozen_mb`` MB of frozen weights come with it (a stand-in for a
+    large model's state: it is saved, loaded and moved like the rest, but costs a step nothing)."""
     torch.manual_seed(0)  # the same initial weights on every worker
-    return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 1))
+    if frozen_mb > 0:
+        model.frozen = nn.Parameter(torch.randn(int(frozen_mb * 2**18)), requires_grad=False)
+    return model
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -86,12 +91,14 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--progress", default=None, help="also append rank 0's progress as JSON lines to this file")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause per step (demos)")
+    parser.add_argument("--model-mb", type=float, default=0.0,
+                        help="add this many MB of frozen weights to the model (benchmarks)")
     args = parser.parse_args()
 
     rank, world_size = rdzv.torch.init_process_group("gloo")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     inputs, targets = make_dataset()
-    model = make_model()
+    model = make_model(args.model_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     step = load_checkpoint(args.checkpoint, model, optimizer)
     ddp = DistributedDataParallel(model)
