@@ -74,7 +74,11 @@ def test_a_third_agent_joining_mid_run_grows_the_group_to_six(agents: Any, rdzv:
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"0"}  # not a failure
     rdzv.stop()
     assert [node.wait() for node in nodes] == [0, 0, 0]
-    assert "waiting to join: re-forming the group" in nodes[0].output()
+    text = nodes[0].output()
+    # the next round formed while the workers ran; they do not use the in-process API
+    assert "node(s) waiting to join: forming the next round in the background" in text, text
+    assert ("restarting the workers in the new round: not every node's workers use the "
+            "in-process API") in text, text
 
 
 def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
@@ -96,18 +100,33 @@ def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
     assert [node.wait() for node in survivors] == [0, 0]
 
 
-def test_sigterm_makes_an_agent_leave_cleanly_and_the_others_reform(
+def test_sigterm_makes_an_agent_leave_gracefully_once_the_others_reformed(
     agents: Any, rdzv: Any
 ) -> None:
     nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 2))
     rdzv.running(6)
     leaving = nodes[1]
     leaving.signal(signal.SIGTERM)
-    assert leaving.wait() == 128 + signal.SIGTERM
-    assert "SIGTERM received: stopping the workers" in leaving.output()
+    assert leaving.wait() == 0, leaving.output()
+    text = leaving.output()
+    assert "SIGTERM received: leaving the job (grace 30 s)" in text, text
+    assert "leaving: the other nodes formed the next round without this node; exiting" in text
+    assert "node(s) leaving: forming the next round in the background" in nodes[0].output()
     rdzv.running(4)
     rdzv.stop()
     assert [nodes[0].wait(), nodes[2].wait()] == [0, 0]
+
+
+def test_a_second_sigterm_stops_a_leaving_agent_at_once(agents: Any, rdzv: Any) -> None:
+    nodes = rdzv.start(agents, 2, rdzv.until_stopped("2:2", 1))
+    rdzv.running(2)
+    leaving = nodes[1]
+    leaving.signal(signal.SIGTERM)  # min_nodes 2: the other node cannot move on without it
+    wait_for(lambda: "leaving the job" in leaving.output(), 60, "the leave announcement")
+    leaving.signal(signal.SIGTERM)
+    assert leaving.wait() == 128 + signal.SIGTERM, leaving.output()
+    assert "SIGTERM received: stopping the workers" in leaving.output()
+    rdzv.stop()
 
 
 def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rdzv.agent._agent import Action, on_membership_change, on_worker_exit, worker_env
+from rdzv.agent._agent import worker_env
+from rdzv.agent._grouprun import Action, on_membership_change, on_worker_exit
 from rdzv.agent._config import LaunchConfig
 from rdzv.agent._round import Assignment, all_done, mark_done, plan_assignments
 from rdzv.rendezvous import RendezvousInfo

@@ -2,13 +2,14 @@
 
 Everything the agent waits for arrives as an event on one queue: a round formed (the
 rendezvous runs in the background, ``next_rendezvous_async``), a worker exited, the membership
-changed, a signal came. The decisions are pure functions (:func:`on_worker_exit`,
-:func:`on_membership_change`) of what the agent observed; the loop carries them out.
+changed, a transition to a new round ended, a signal came. The decisions are pure functions
+(``_grouprun.py``, ``_changes.py``) of what the agent observed; the loops carry them out: this
+module's from round to round, :class:`GroupRun`'s while one group of workers runs (through
+in-process switches to new rounds).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import queue
@@ -32,42 +33,26 @@ from ..errors import (
 from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ._config import LaunchConfig
 from ._errors import WorkerFailure, failure_summary, read_error_file
-from ._round import (
-    Assignment,
-    MembershipChanged,
-    MembershipWatcher,
-    all_done,
-    assign,
-    mark_alive,
-    mark_done,
-    wait_until_others_left,
+from ._changes import Mode
+from ._channel import ENV_CHANNEL, ENV_JOIN
+from ._grouprun import PROGRESS_INTERVAL, Action, GroupRun, Outcome, Signalled
+from ._round import Assignment, assign, mark_done, wait_until_others_left
+from ._transition import (
+    ASSIGN_TIMEOUT,
+    SwitchContext,
+    TransitionDone,
+    WorkerLink,
+    newcomer_transition,
+    start_on_thread,
+    start_round,
 )
-from ._workers import WorkerExited, WorkerGroup, WorkerSpec
+from ._workers import WorkerGroup, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-PROGRESS_INTERVAL = 10.0
-"""Seconds between 'still waiting' messages while a round forms."""
-ASSIGN_TIMEOUT = 60.0
-"""Seconds a node waits for the other nodes of a formed round to exchange their worker counts."""
 LEAVE_TIMEOUT = 30.0
 """Seconds the node serving the store waits for the others to leave a finished round."""
-EXIT_BARRIER_TIMEOUT = 300.0
-"""Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
-
-
-class Action(enum.Enum):
-    """What the agent does next."""
-
-    CONTINUE = "continue"
-    SUCCEED = "succeed"
-    RESTART = "restart"
-    """A worker failed: stop the group, re-rendezvous and restart (counted)."""
-    REFORM = "reform"
-    """The membership changed: stop the group, re-rendezvous and restart (not counted)."""
-    FAIL = "fail"
-    LEAVE = "leave"
 
 
 @dataclass(frozen=True)
@@ -75,45 +60,6 @@ class RoundFormed:
     """Event: the background rendezvous finished (its future holds the round or the error)."""
 
     future: "Future[RendezvousInfo]"
-
-
-@dataclass(frozen=True)
-class AllDone:
-    """Event: every node of round ``generation`` has finished."""
-
-    generation: int
-
-
-@dataclass(frozen=True)
-class Signalled:
-    """Event: the agent received ``signum``."""
-
-    signum: int
-
-
-def on_worker_exit(returncodes: Mapping[int, int | None], restarts: int,
-                   max_restarts: int) -> Action:
-    """The decision after a worker exited, given every worker's return code (None: running).
-
-    A restart needs a new round: if the rendezvous turns out to be closed, the run fails then.
-    """
-    if any(code not in (None, 0) for code in returncodes.values()):
-        return Action.RESTART if restarts < max_restarts else Action.FAIL
-    if all(code == 0 for code in returncodes.values()):
-        return Action.SUCCEED
-    return Action.CONTINUE
-
-
-def on_membership_change(closed: bool, finished: bool) -> Action:
-    """The decision when the membership changed; ``finished``: this node's workers succeeded.
-
-    A closed rendezvous (or a round whose nodes all finished) forms no new round: running
-    workers run on to their end. Otherwise the group re-forms, also when this node's workers
-    already succeeded: another node is restarting the job, which restarts every worker.
-    """
-    if closed:
-        return Action.SUCCEED if finished else Action.CONTINUE
-    return Action.REFORM
 
 
 def worker_env(config: LaunchConfig, assignment: Assignment, local_rank: int, restarts: int,
@@ -160,8 +106,10 @@ class ElasticAgent:
         self.host = host or config.local_addr or socket.getfqdn()
         self.restarts = 0
         self.log_root = ""
-        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._generation = 0
+        self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.generation = 0
+        """Counts the rounds this node took part in; tags the events of each."""
+        self._link: WorkerLink | None = None
         self._failures_before: list[WorkerFailure] = []
         """The failures that led to the round being joined now (empty after a re-form)."""
 
@@ -169,6 +117,12 @@ class ElasticAgent:
     def say(self, message: str) -> None:
         """Tell the person at the console what happens."""
         print(f"[rdzv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    def describe(self, assignment: Assignment) -> str:
+        last = assignment.rank_offset + self.config.nproc_per_node - 1
+        return (f"{assignment.group_world_size} node(s), world size {assignment.world_size}; "
+                f"this node is group rank {assignment.group_rank} with global ranks "
+                f"{assignment.rank_offset}..{last}")
 
     # -- signals ----------------------------------------------------------------------------------
     @contextmanager
@@ -184,7 +138,7 @@ class ElasticAgent:
                 signal.signal(signum, handler)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self._events.put(Signalled(signum))  # SimpleQueue.put is safe in a signal handler
+        self.events.put(Signalled(signum))  # SimpleQueue.put is safe in a signal handler
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -193,76 +147,118 @@ class ElasticAgent:
         os.makedirs(root, exist_ok=True)
         self.log_root = tempfile.mkdtemp(prefix=f"{self.config.run_id}_", dir=root)
         self.say(f"worker logs: {self.log_root}")
+        self._link = WorkerLink(self.events)
         with self._signals():
             try:
                 return self._run()
             finally:
+                self._link.close()
                 self._shutdown_handler()
+
+    @property
+    def link(self) -> WorkerLink:
+        assert self._link is not None, "the agent is not running"
+        return self._link
+
+    def switch_context(self) -> SwitchContext:
+        config = self.config
+        return SwitchContext(self.handler, self.link, config.nproc_per_node, config.role,
+                             self.host, config.switch_timeout, config.restart_on_change, self.say)
 
     def _run(self) -> int:
         config = self.config
+        formed: TransitionDone | None = None
         while True:
-            joining = time.monotonic()
-            info = self._rendezvous()
-            if isinstance(info, int):
-                return info
-            self._generation += 1
+            if formed is not None and formed.info is not None and formed.assignment is not None:
+                info, assignment, plan = formed.info, formed.assignment, {"mode": "restart"}
+                formed = None
+            else:
+                joined = self._join()
+                if isinstance(joined, int):
+                    return joined
+                if joined is None:
+                    continue
+                info, assignment, plan = joined
+            self.generation += 1
+            self.say(f"round complete: {self.describe(assignment)}")
+            joining = plan.get("mode") == Mode.IN_PROCESS.value
             try:
-                assignment = assign(info, self.handler, config.nproc_per_node, config.role,
-                                    self.host, ASSIGN_TIMEOUT, time.monotonic() - joining)
-            except StoreTimeoutError as exc:
-                self.say(f"a node of the new round did not answer ({exc}); re-forming")
-                continue
-            except RendezvousError as exc:
-                self.say(f"cannot share the worker counts of the new round: "
-                         f"{type(exc).__name__}: {exc}")
-                return 1
-            last = assignment.rank_offset + config.nproc_per_node - 1
-            self.say(f"round complete: {assignment.group_world_size} node(s), world size "
-                     f"{assignment.world_size}; this node is group rank {assignment.group_rank} "
-                     f"with global ranks {assignment.rank_offset}..{last}")
-            try:
-                group = self._start_workers(assignment)
+                group = self._start_workers(assignment, str(plan["prefix"]) if joining else None)
             except (OSError, RuntimeError) as exc:
                 self.say(f"cannot start the workers: {exc}")
                 self._give_up(info)
                 return 1
-            action, signum = self._monitor(group, info)
-            if action is Action.SUCCEED:
-                group.stop(timeout=config.stop_timeout)
-                self._close()
-                try:
-                    wait_until_others_left(info, LEAVE_TIMEOUT)
-                except RendezvousError as exc:
-                    logger.warning("cannot wait for the other nodes to leave: %s", exc)
-                self.say("every node has finished; this node's workers succeeded")
-                return 0
-            if action is Action.LEAVE:
-                name = signal.Signals(signum).name
-                self.say(f"{name} received: stopping the workers (grace {config.stop_timeout:g} "
-                         "s) and leaving the rendezvous")
-                group.stop(signum, config.stop_timeout)
-                return 128 + signum
-            failures = self._failures(group)
-            group.stop(timeout=config.stop_timeout)
-            if action is Action.FAIL:
-                reason = (f"workers failed after {self.restarts} restart(s) (--max-restarts "
-                          f"{config.max_restarts})")
-                print(failure_summary(failures, reason), file=sys.stderr, flush=True)
-                self._give_up(info)
-                return 1
-            self._failures_before = failures if action is Action.RESTART else []
-            if action is Action.RESTART:
-                self.restarts += 1
-                worst = failures[0] if failures else None
-                why = (f"global rank {worst.global_rank} ended with {worst.how}" if worst
-                       else "a worker failed")
-                self.say(f"{why}; restarting the workers (restart {self.restarts} of "
-                         f"{config.max_restarts})")
-            else:
-                self.say(f"{self._membership_news()}: re-forming the group (not counted as a "
-                         "restart)")
+            if joining:
+                ctx, generation = self.switch_context(), self.generation
+                start_on_thread(lambda: newcomer_transition(ctx, info, assignment, generation),
+                                self.events, "rdzv-join")
+            run = GroupRun(self, group, info, assignment, joining)
+            outcome = run.run()
+            code = self._after(outcome, group, run.info)
+            if code is not None:
+                return code
+            formed = outcome.formed
 
+    def _join(self) -> tuple[RendezvousInfo, Assignment, dict[str, Any]] | int | None:
+        """Join the next round and take this node's place in it: (round, assignment, how the
+        round starts), an exit code, or None to try again."""
+        joining = time.monotonic()
+        info = self._rendezvous()
+        if isinstance(info, int):
+            return info
+        try:
+            assignment = assign(info, self.handler, self.config.nproc_per_node, self.config.role,
+                                self.host, ASSIGN_TIMEOUT, time.monotonic() - joining)
+            plan = start_round(self.switch_context(), info, assignment, None)
+        except StoreTimeoutError as exc:
+            self.say(f"a node of the new round did not answer ({exc}); re-forming")
+            return None
+        except RendezvousError as exc:
+            self.say(f"cannot share the worker counts of the new round: "
+                     f"{type(exc).__name__}: {exc}")
+            return 1
+        return info, assignment, plan
+
+    def _after(self, outcome: Outcome, group: WorkerGroup, info: RendezvousInfo) -> int | None:
+        """Carry out how a group's run ended: an exit code, or None to go on to a new round."""
+        config = self.config
+        action = outcome.action
+        if action is Action.SUCCEED:
+            group.stop(timeout=config.stop_timeout)
+            self._close()
+            try:
+                wait_until_others_left(info, LEAVE_TIMEOUT)
+            except RendezvousError as exc:
+                logger.warning("cannot wait for the other nodes to leave: %s", exc)
+            self.say("every node has finished; this node's workers succeeded")
+            return 0
+        if action is Action.LEFT:
+            group.stop(timeout=config.stop_timeout)
+            return 0
+        if action is Action.STOP:
+            name = signal.Signals(outcome.signum).name
+            self.say(f"{name} received: stopping the workers (grace {config.stop_timeout:g} "
+                     "s) and leaving the rendezvous")
+            group.stop(outcome.signum, config.stop_timeout)
+            return 128 + outcome.signum
+        failures = self._failures(group)
+        group.stop(timeout=config.stop_timeout)
+        self.link.forget()
+        if action is Action.FAIL:
+            reason = (f"workers failed after {self.restarts} restart(s) (--max-restarts "
+                      f"{config.max_restarts})")
+            print(failure_summary(failures, reason), file=sys.stderr, flush=True)
+            self._give_up(info)
+            return 1
+        self._failures_before = failures if action is Action.RESTART else []
+        if action is Action.RESTART:
+            self.restarts += 1
+            worst = failures[0] if failures else None
+            why = (f"global rank {worst.global_rank} ended with {worst.how}" if worst
+                   else "a worker failed")
+            self.say(f"{why}; restarting the workers (restart {self.restarts} of "
+                     f"{config.max_restarts})")
+        return None
     def _rendezvous(self) -> RendezvousInfo | int:
         """Join the next round, reacting to signals meanwhile: the round or an exit code."""
         config = self.config
@@ -270,10 +266,10 @@ class ElasticAgent:
                  f"{config.run_id!r} ({config.rdzv_backend} {config.rdzv_endpoint})")
         started = time.monotonic()
         future = self.handler.next_rendezvous_async()
-        future.add_done_callback(lambda f: self._events.put(RoundFormed(f)))
+        future.add_done_callback(lambda f: self.events.put(RoundFormed(f)))
         while True:
             try:
-                event = self._events.get(timeout=PROGRESS_INTERVAL)
+                event = self.events.get(timeout=PROGRESS_INTERVAL)
             except queue.Empty:
                 self.say(f"still waiting for nodes: {self._joined()}{config.min_nodes}.."
                          f"{config.max_nodes} ({time.monotonic() - started:.0f} s)")
@@ -302,90 +298,39 @@ class ElasticAgent:
         self.say(f"round formed in {time.monotonic() - started:.2f} s")
         return info
 
-    def _start_workers(self, assignment: Assignment) -> WorkerGroup:
+    def _start_workers(self, assignment: Assignment, join_prefix: str | None) -> WorkerGroup:
+        """Start this node's workers; with ``join_prefix`` they join the running group."""
         config = self.config
-        attempt_dir = os.path.join(self.log_root, f"attempt_{self._generation - 1}")
+        attempt_dir = os.path.join(self.log_root, f"attempt_{self.generation - 1}")
+        channel = {ENV_CHANNEL: self.link.path}
+        if join_prefix is not None:
+            channel[ENV_JOIN] = join_prefix
         specs = [
             WorkerSpec(local_rank, assignment.rank_offset + local_rank,
-                       worker_env(config, assignment, local_rank, self.restarts, os.environ))
+                       worker_env(config, assignment, local_rank, self.restarts,
+                                  {**os.environ, **channel}))
             for local_rank in range(config.nproc_per_node)
         ]
+        self.link.reset(config.nproc_per_node, self.generation)
 
         def console_streams(local_rank: int) -> frozenset[str]:
             hidden = config.redirects.streams(local_rank) - config.tee.streams(local_rank)
             return frozenset({"stdout", "stderr"}) - hidden
 
-        group = WorkerGroup(config.command, attempt_dir, self._events, self._generation,
+        group = WorkerGroup(config.command, attempt_dir, self.events, self.generation,
                             console_streams)
         group.start(specs)
         pids = ", ".join(str(pid) for pid in group.pids().values())
         self.say(f"started {len(specs)} worker(s) (pids {pids}); logs in {attempt_dir}")
         return group
 
-    def _monitor(self, group: WorkerGroup, info: RendezvousInfo) -> tuple[Action, int]:
-        """Wait for the event that ends this group's run: (action, signal number if LEAVE).
+    def adopt(self, group: WorkerGroup, assignment: Assignment) -> None:
+        """The running ``group`` switched in-process to the round of ``assignment``."""
+        self.generation += 1
+        group.renumber(self.generation, assignment.rank_offset)
+        self.link.retag(self.generation)
 
-        When this node's workers have all succeeded it waits, still watching the membership,
-        until every node of the round has finished too.
-        """
-        generation = self._generation
-        watcher = self._watch(generation, info)
-        finished_at: float | None = None
-        closed_seen = False
-        try:
-            while True:
-                wait = PROGRESS_INTERVAL
-                if finished_at is not None:
-                    wait = finished_at + EXIT_BARRIER_TIMEOUT - time.monotonic()
-                try:
-                    event = self._events.get(timeout=max(0.0, wait))
-                except queue.Empty:
-                    if finished_at is None:
-                        continue
-                    self.say(f"not every node finished within {EXIT_BARRIER_TIMEOUT:g} s; "
-                             "leaving anyway")
-                    return Action.SUCCEED, 0
-                if isinstance(event, Signalled):
-                    return Action.LEAVE, event.signum
-                if getattr(event, "generation", None) != generation:
-                    continue  # an event of an earlier round
-                if isinstance(event, WorkerExited):
-                    if finished_at is not None:
-                        continue  # the exit of a worker already counted in the success
-                    codes = group.returncodes()
-                    action = on_worker_exit(codes, self.restarts, self.config.max_restarts)
-                    if action is Action.SUCCEED:
-                        finished_at = time.monotonic()
-                        self.say(f"all {len(codes)} worker(s) of this node succeeded; waiting "
-                                 "for the other nodes to finish")
-                        self._mark_done(info)
-                        if closed_seen:  # the run is over: nobody re-forms any more
-                            return Action.SUCCEED, 0
-                        watcher.also_report(lambda: all_done(info), AllDone(generation))
-                        continue
-                elif isinstance(event, MembershipChanged):
-                    closed = self.handler.is_closed() or all_done(info)
-                    action = on_membership_change(closed, finished_at is not None)
-                    if action is Action.CONTINUE:
-                        closed_seen = True  # the watcher has ended: a closed run stays closed
-                        self.say("the rendezvous was closed by another node; waiting for this "
-                                 "node's workers to finish")
-                elif isinstance(event, AllDone):
-                    action = Action.SUCCEED
-                else:
-                    continue
-                if action is not Action.CONTINUE:
-                    return action, 0
-        finally:
-            watcher.stop()
-
-    def _watch(self, generation: int, info: RendezvousInfo) -> MembershipWatcher:
-        watcher = MembershipWatcher(self.handler, self._events, generation,
-                                    self.config.monitor_interval, lambda: mark_alive(info))
-        watcher.start()
-        return watcher
-
-    def _mark_done(self, info: RendezvousInfo) -> None:
+    def mark_done(self, info: RendezvousInfo) -> None:
         try:
             mark_done(info)
         except RendezvousError as exc:
@@ -398,7 +343,7 @@ class ElasticAgent:
         except RendezvousError:
             return ""
 
-    def _membership_news(self) -> str:
+    def membership_news(self) -> str:
         try:
             waiting = self.handler.num_nodes_waiting()
         except RendezvousError:
@@ -424,7 +369,7 @@ class ElasticAgent:
     # -- ending ---------------------------------------------------------------------------------
     def _give_up(self, info: RendezvousInfo) -> None:
         """Close the rendezvous; count this node as finished so nobody waits for it."""
-        self._mark_done(info)
+        self.mark_done(info)
         self._close()
 
     def _close(self) -> None:

@@ -68,6 +68,12 @@ class LaunchConfig:
     tee: StreamChoice = StreamChoice()
     node_rank: int | None = None
     """Static jobs only: this node's rank (``--node-rank``)."""
+    restart_on_change: bool = False
+    """Restart the workers on every membership change, even when they could switch in-process."""
+    switch_timeout: float = 60.0
+    """Seconds an in-process switch may take before the agents restart the workers instead."""
+    leave_grace: float = 30.0
+    """Seconds a node asked to leave (SIGTERM, SIGINT) keeps training while the others move on."""
 
 
 # (dest, flags, help, kind, default); kind: str, int, float, flag.
@@ -93,6 +99,15 @@ _OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
     ("stop_timeout", ("--stop-timeout", "--stop_timeout"),
      "Seconds workers get to exit after SIGTERM before they are killed.", "float", 30.0),
     ("role", ("--role",), "The workers' role name.", "str", "default"),
+    ("restart_on_change", ("--restart-on-change", "--restart_on_change"),
+     "Restart the workers on every membership change, even when their training loop uses "
+     "rdzv.torch.ElasticState and could switch to the new round in-process.", "flag", False),
+    ("switch_timeout", ("--switch-timeout", "--switch_timeout"),
+     "Seconds an in-process switch to a new round may take (newcomers starting included) "
+     "before the agents restart the workers instead.", "float", 60.0),
+    ("leave_grace", ("--leave-grace", "--leave_grace"),
+     "Seconds a node asked to leave by SIGTERM or SIGINT keeps training while the other "
+     "nodes form the next round without it (a second signal stops it at once).", "float", 30.0),
     ("node_rank", ("--node-rank", "--node_rank"), "This node's rank (static jobs).", "int", None),
     ("master_addr", ("--master-addr", "--master_addr"),
      "Address of the node with rank 0 (static jobs).", "str", None),
@@ -346,6 +361,11 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         redirects=parse_streams(raw("redirects"), source("redirects")),
         tee=parse_streams(raw("tee"), source("tee")),
         node_rank=node_rank,
+        restart_on_change=bool(raw("restart_on_change")),
+        switch_timeout=_number(float, raw("switch_timeout"), source("switch_timeout"), 0.001,
+                               "--switch-timeout 60"),
+        leave_grace=_number(float, raw("leave_grace"), source("leave_grace"), 0,
+                            "--leave-grace 30"),
     )
 
 

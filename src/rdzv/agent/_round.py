@@ -25,7 +25,7 @@ from typing import Any, Callable
 from ..errors import RendezvousError, RendezvousStateError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ..rendezvous._engine import PortReservation
-from ..rendezvous._status import AGENT_ALIVE
+from ..rendezvous._status import AGENT_ALIVE, AGENT_LEAVING
 from ..rendezvous._status import AGENT_NODES as NODE_KEY
 from ..store import Store
 
@@ -35,6 +35,17 @@ ASSIGN_KEY = "agent/assign/"
 DONE_DIR = "agent/done/"
 ALIVE_DIR = AGENT_ALIVE
 """Each node's ephemeral sign of life in its round's store: the wall time it last wrote it."""
+LEAVING_DIR = AGENT_LEAVING
+"""A node leaving gracefully writes its group rank here before it withdraws from the next round."""
+CAPABLE_DIR = "agent/inprocess/"
+"""A node whose workers all use the in-process API (connected to their agent) says so here."""
+MODE_KEY = "agent/mode"
+"""Group rank 0's word on how the round starts: restart the workers, or switch in-process."""
+READY_DIR = "agent/ready/"
+"""In-process: a node whose workers are ready for the switch (newcomers: started and connected)."""
+SWITCH_KEY = "agent/switch"
+"""In-process: the step at which the old group switches, or that the workers restart instead;
+written by group rank 0 of the new round into the old round's store and the new one's."""
 HEARTBEAT_EVERY = 5.0
 """Seconds between refreshes of a node's ``ALIVE_DIR`` entry while its workers run."""
 

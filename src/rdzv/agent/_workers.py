@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any, Callable, Mapping, Sequence, TextIO
 
 logger = logging.getLogger(__name__)
@@ -153,20 +153,21 @@ class WorkerGroup:
                 if pipe is None:
                     files[name].close()  # the child holds its own copy
                     continue
-                pumps.append(self._pump(pipe, files[name], target, spec.global_rank))
+                pumps.append(self._pump(pipe, files[name], target, spec))
             worker = _Worker(spec, process, directory, pumps)
             self._workers[spec.local_rank] = worker
             threading.Thread(target=self._wait_for, args=(worker,), daemon=True,
                              name=f"rdzv-worker-{spec.local_rank}").start()
 
-    def _pump(self, pipe: IO[bytes], log: IO[bytes], console: TextIO, rank: int) -> threading.Thread:
-        prefix = f"[{rank}]:".encode()
-
+    def _pump(self, pipe: IO[bytes], log: IO[bytes], console: TextIO,
+              spec: WorkerSpec) -> threading.Thread:
         def copy() -> None:
             with pipe, log:
                 for line in iter(pipe.readline, b""):
                     log.write(line)
                     log.flush()
+                    current = self._workers.get(spec.local_rank)  # renumbered by a switch
+                    prefix = f"[{(current.spec if current else spec).global_rank}]:".encode()
                     with self._console_lock:
                         try:
                             console.flush()
@@ -176,7 +177,7 @@ class WorkerGroup:
                         except (OSError, ValueError, AttributeError):
                             pass  # the console went away; the log file still has the line
 
-        thread = threading.Thread(target=copy, daemon=True, name=f"rdzv-log-{rank}")
+        thread = threading.Thread(target=copy, daemon=True, name=f"rdzv-log-{spec.local_rank}")
         thread.start()
         return thread
 
@@ -187,6 +188,12 @@ class WorkerGroup:
         worker.exited.set()
         self._events.put(WorkerExited(self.generation, worker.spec.local_rank, returncode,
                                       worker.end_time))
+
+    def renumber(self, generation: int, rank_offset: int) -> None:
+        """The workers run on in-process in a new round: its event tag and their global ranks."""
+        self.generation = generation
+        for worker in self._workers.values():
+            worker.spec = replace(worker.spec, global_rank=rank_offset + worker.spec.local_rank)
 
     # -- state ----------------------------------------------------------------------------------
     @property

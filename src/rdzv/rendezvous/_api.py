@@ -166,6 +166,16 @@ class RendezvousHandler(abc.ABC):
             time.sleep(min(_DEFAULT_POLL_INTERVAL, remaining))
         return True
 
+    def announce_leaving(self) -> bool:
+        """Tell the other members that this node leaves after its current round (graceful
+        scale-in, e.g. on a preemption notice): they form the next round without waiting for
+        it, while this node goes on working until they have moved on.
+
+        Returns whether the backend could announce it; False (the default) means the node
+        simply leaves when it shuts down, and the others notice it as lost.
+        """
+        return False
+
     @abc.abstractmethod
     def get_run_id(self) -> str:
         """The run id shared by the nodes of this job."""

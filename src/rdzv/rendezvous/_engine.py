@@ -212,6 +212,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return False
             self._watch(path, since, remaining)
 
+    def announce_leaving(self) -> bool:
+        """Withdraw this member's liveness in the next round (its ``expect`` key): the others
+        see the change at once and seal the next round as soon as every other member is back,
+        while this node's current round goes on. It must not join again afterwards."""
+        member = self._member
+        if member is None:
+            return False
+        self._store.delete_key(self._keys.expect(member.round + 1, self._node_id))
+        logger.info("rendezvous %s: %s leaves after round %d", self._keys.run_id, self._node_id,
+                    member.round)
+        return True
+
     def shutdown(self) -> bool:
         """Leave: delete this node's liveness keys (peers see it at once), release the backend.
 

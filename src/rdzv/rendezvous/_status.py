@@ -20,9 +20,11 @@ from ._api import RendezvousParameters
 from ._layout import RunKeys, decode_int, decode_rank, decode_status
 
 AGENT_NODES = "agent/node/"
+"""Where each agent describes itself in its round's store (one key per group rank)."""
 AGENT_ALIVE = "agent/alive/"
 """Where each agent refreshes the wall time of its last sign of life (ephemeral keys)."""
-"""Where each agent describes itself in its round's store (one key per group rank)."""
+AGENT_LEAVING = "agent/leaving/"
+"""Where an agent that leaves the job gracefully says so (one key per group rank)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class MemberStatus:
     """Seconds since its agent last wrote its sign of life (every few seconds while it runs)."""
     join_s: float | None = None
     """How long its join took."""
+    leaving: bool = False
+    """It announced that it leaves (graceful scale-in): the next round forms without it."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
                 last_seen[int(key[len(seen_dir):])] = stamp
         except (ValueError, AttributeError):
             continue  # not an agent's entry: its age stays unknown
+    leaving_dir = f"{keys.user(sealed)}/{AGENT_LEAVING}"
+    leaving = {key[len(leaving_dir):] for key in store.list_keys(leaving_dir)}
     members = []
     for key, raw in store.list_keys(rank_dir).items():
         rank, _ = decode_rank(key, raw)
@@ -142,6 +148,7 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
             started_s_ago=round(now - stamp, 3) if isinstance(stamp, (int, float)) else None,
             last_seen_s_ago=round(now - last_seen[rank], 3) if rank in last_seen else None,
             join_s=entry.get("join_s"),
+            leaving=str(rank) in leaving,
         ))
     members.sort(key=lambda m: m.rank)
     joins = [m.join_s for m in members if isinstance(m.join_s, (int, float))]
@@ -159,13 +166,13 @@ def format_status(status: RunStatus) -> str:
     took = f", formed in {status.last_round_s:.2f} s" if status.last_round_s is not None else ""
     lines.append(f"  round {status.round}: {status.world_size} node(s){took}; workers' master "
                  f"{status.master or '?'}")
-    lines.append(f"  {'rank':>4}  {'alive':5}  {'host':24} {'pid':>8}  {'workers':>7}  "
+    lines.append(f"  {'rank':>4}  {'alive':7}  {'host':24} {'pid':>8}  {'workers':>7}  "
                  f"{'up':>8}  {'seen':>8}")
     for member in status.members:
         up = f"{member.started_s_ago:.0f} s" if member.started_s_ago is not None else "?"
         seen = (f"{member.last_seen_s_ago:.0f} s ago" if member.last_seen_s_ago is not None
                 else "?")
-        lines.append(f"  {member.rank:>4}  {_liveness(member, status):5}  "
+        lines.append(f"  {member.rank:>4}  {_liveness(member, status):7}  "
                      f"{member.host or '?':24} {member.pid or '?':>8}  "
                      f"{member.nproc or '?':>7}  {up:>8}  {seen:>8}")
     if status.waiting:
@@ -201,6 +208,8 @@ def open_store(params: RendezvousParameters) -> Store:
 
 
 def _liveness(member: MemberStatus, status: RunStatus) -> str:
+    if member.leaving and not status.closed:
+        return "leaving"
     if member.alive:
         return "yes"
     return "left" if status.closed else "LOST"

@@ -1,0 +1,372 @@
+"""A planned membership change, carried out on a thread while the workers keep training.
+
+The rules are in ``_changes.py``; this module does the I/O. Every node of the new round runs one
+of two paths and ends with one :class:`TransitionDone` event on the agent's queue:
+
+* a **member** of the running round (:func:`member_transition`) joins the next round in the
+  background, exchanges worker counts (``assign``), learns from group rank 0 how the round
+  starts (``MODE_KEY``), and for an in-process switch sends its workers their ``plan``, says it
+  is ready, gets the switch step and waits for its workers to switch;
+* a **newcomer** (:func:`newcomer_transition`) has started its workers with ``RDZV_INPROCESS_JOIN``
+  (they import torch and connect to their agent: they are warm), says it is ready, and waits
+  for its workers to be taken into the group.
+
+Group rank 0 of the new round (a member of the old one) coordinates: once every node is ready it
+asks its first worker for its step and step time, picks the switch step and writes it
+(``SWITCH_KEY``) into the old round's store, where the members and a leaving node read it, and
+into the new one's, where newcomers read it. If a node is not ready in time it writes a restart
+instead, and every node restarts its workers in the new round. A node that leaves
+(:func:`wait_for_switch`) reads the same key to know when the others have moved on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from ..errors import RendezvousError
+from ..rendezvous import RendezvousHandler, RendezvousInfo
+from ..store import Store
+from ._changes import Mode, choose_mode, switch_step
+from ._channel import ChannelServer
+from ._round import (
+    CAPABLE_DIR,
+    MODE_KEY,
+    READY_DIR,
+    SWITCH_KEY,
+    Assignment,
+    assign,
+    loads_entry,
+)
+
+logger = logging.getLogger(__name__)
+
+ASSIGN_TIMEOUT = 60.0
+"""Seconds a node waits for the other nodes of a formed round to exchange their worker counts."""
+LEAD_SECONDS = 0.25
+"""How long the switch step is announced ahead of time, at least (see ``switch_step``)."""
+QUERY_TIMEOUT = 5.0
+"""Seconds the coordinator waits for its worker to report its step."""
+WAIT_SLICE = 0.25
+"""Longest single blocking store call here: the agent's other threads share the client."""
+
+
+@dataclass(frozen=True)
+class WorkersConnected:
+    """Event: every worker of group ``generation`` connected to the agent (in-process capable)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class TransitionDone:
+    """Event: a transition ended. ``mode`` IN_PROCESS means the workers run in the new round."""
+
+    generation: int
+    info: RendezvousInfo | None = None
+    assignment: Assignment | None = None
+    mode: Mode = Mode.RESTART
+    reason: str = ""
+    error: RendezvousError | None = None
+    formed_ms: float | None = None
+    pause_ms: float | None = None
+    switch_step: int | None = None
+
+
+class WorkerLink:
+    """The agent's view of its workers through the channel: what each last said, by ``op``."""
+
+    def __init__(self, events: Any) -> None:
+        self._events = events
+        self._cond = threading.Condition()
+        self._said: dict[int, dict[str, dict[str, Any]]] = {}
+        self._nproc = 0
+        self._generation = 0
+        self.server = ChannelServer(self._on_message)
+
+    @property
+    def path(self) -> str:
+        return self.server.path
+
+    def reset(self, nproc: int, generation: int) -> None:
+        """New workers were started (or are about to be): forget what the old ones said."""
+        self.server.forget()
+        with self._cond:
+            self._said, self._nproc, self._generation = {}, nproc, generation
+
+    def retag(self, generation: int) -> None:
+        """The same workers run on in the round of ``generation``."""
+        with self._cond:
+            self._generation = generation
+
+    def _on_message(self, local_rank: int, message: dict[str, Any]) -> None:
+        with self._cond:
+            self._said.setdefault(local_rank, {})[message["op"]] = message
+            self._cond.notify_all()
+            connected = message["op"] == "hello" and self._all("hello")
+            generation = self._generation
+        if connected:
+            self._events.put(WorkersConnected(generation))
+
+    def _all(self, op: str) -> bool:
+        return self._nproc > 0 and all(op in self._said.get(lr, {}) for lr in range(self._nproc))
+
+    def connected(self) -> bool:
+        with self._cond:
+            return self._all("hello") and not self._any({"closed"})
+
+    def _any(self, ops: set[str]) -> bool:
+        return any(ops & said.keys() for said in self._said.values())
+
+    def forget(self, *ops: str) -> None:
+        with self._cond:
+            for said in self._said.values():
+                for op in ops:
+                    said.pop(op, None)
+
+    def said(self, local_rank: int, op: str) -> dict[str, Any] | None:
+        with self._cond:
+            return self._said.get(local_rank, {}).get(op)
+
+    def wait_one(self, local_rank: int, op: str, timeout: float) -> dict[str, Any] | None:
+        """What worker ``local_rank`` says next as ``op`` (None after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while op not in self._said.get(local_rank, {}):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return self._said[local_rank][op]
+
+    def wait_all(self, op: str, timeout: float, fail: set[str]) -> str | None:
+        """Wait until every worker said ``op``: None, or the first ``fail`` op one of them said
+        instead (or ``"timeout"``)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for said in self._said.values():
+                    for bad in fail & said.keys():
+                        return bad
+                if self._all(op):
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return "timeout"
+                self._cond.wait(remaining)
+
+    def send(self, local_rank: int, message: dict[str, Any]) -> bool:
+        return self.server.send(local_rank, message)
+
+    def send_all(self, make: Callable[[int], dict[str, Any]]) -> bool:
+        with self._cond:
+            nproc = self._nproc
+        return all([self.server.send(lr, make(lr)) for lr in range(nproc)])
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@dataclass(frozen=True)
+class SwitchContext:
+    """What a transition needs of its agent."""
+
+    handler: RendezvousHandler
+    link: WorkerLink
+    nproc: int
+    role: str
+    host: str
+    switch_timeout: float
+    restart_on_change: bool
+    say: Callable[[str], None]
+
+
+def start_on_thread(work: Callable[[], TransitionDone], events: Any, name: str) -> None:
+    """Run ``work`` on a daemon thread and put its TransitionDone on ``events``."""
+
+    def run() -> None:
+        events.put(work())
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+
+
+def wait_key(store: Store, key: str, timeout: float) -> bytes | None:
+    """The value of ``key`` once it is set, waiting at most ``timeout`` s (None then), in slices
+    so that the agent's other threads are not held behind this one on a shared client."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = store.try_get(key)
+        if value is not None:
+            return value
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        since = store.revision(key)
+        if store.try_get(key) is None:
+            store.watch(key, since, min(WAIT_SLICE, remaining))
+
+
+def start_round(ctx: SwitchContext, info: RendezvousInfo, assignment: Assignment,
+                old: RendezvousInfo | None) -> dict[str, Any]:
+    """How round ``info`` starts: group rank 0 decides and publishes it, the others read it.
+
+    ``old``: the round this node's workers are running in (None: they are not running).
+    """
+    store = info.store
+    if assignment.group_rank != 0:
+        raw = wait_key(store, MODE_KEY, ASSIGN_TIMEOUT)
+        if raw is None:
+            raise RendezvousError(f"group rank 0 did not say within {ASSIGN_TIMEOUT:g} s how "
+                                  "the new round starts")
+        return loads_entry(MODE_KEY, raw)
+    capable = old.store.count_keys(CAPABLE_DIR) if old is not None else 0
+    mode = choose_mode(ctx.restart_on_change, old is not None, capable,
+                       old.world_size if old is not None else 0)
+    plan = {"mode": mode.value, "prefix": f"rdzv-{uuid.uuid4().hex[:12]}"}
+    store.set(MODE_KEY, json.dumps(plan))
+    if mode is Mode.RESTART and old is not None:
+        why = ("--restart-on-change" if ctx.restart_on_change else
+               "not every node's workers use the in-process API")
+        announce(old, info, {"restart": True, "why": why})
+    return plan
+
+
+def announce(old: RendezvousInfo, new: RendezvousInfo, decision: dict[str, Any]) -> None:
+    """Write the switch decision where members, a leaving node and newcomers read it."""
+    raw = json.dumps(decision)
+    old.store.set(SWITCH_KEY, raw)
+    new.store.set(SWITCH_KEY, raw)
+
+
+def worker_plan(assignment: Assignment, local_rank: int, prefix: str) -> dict[str, Any]:
+    """What a worker needs to join the new group."""
+    return {"op": "plan", "rank": assignment.rank_offset + local_rank,
+            "world_size": assignment.world_size, "group_rank": assignment.group_rank,
+            "master_addr": assignment.master_addr, "master_port": assignment.master_port,
+            "prefix": prefix, "leave": False}
+
+
+def member_transition(ctx: SwitchContext, old: RendezvousInfo, generation: int) -> TransitionDone:
+    """A running member's part of a planned change: background round, then switch."""
+    started = time.monotonic()
+    try:
+        info = ctx.handler.next_rendezvous()
+    except RendezvousError as exc:
+        return TransitionDone(generation, error=exc)
+    formed_ms = (time.monotonic() - started) * 1000
+    try:
+        assignment = assign(info, ctx.handler, ctx.nproc, ctx.role, ctx.host, ASSIGN_TIMEOUT,
+                            formed_ms / 1000)
+        plan = start_round(ctx, info, assignment, old)
+    except RendezvousError as exc:
+        return TransitionDone(generation, info, error=exc, formed_ms=formed_ms)
+    done = TransitionDone(generation, info, assignment, formed_ms=formed_ms)
+    if plan.get("mode") != Mode.IN_PROCESS.value:
+        why = json.loads(old.store.try_get(SWITCH_KEY) or b"{}").get("why", "")
+        return replace(done, reason=why or "group rank 0 restarts the workers")
+    try:
+        return _switch(ctx, old, info, assignment, str(plan["prefix"]), done)
+    except RendezvousError as exc:
+        return replace(done, reason=f"the switch failed: {type(exc).__name__}: {exc}")
+
+
+def _switch(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo,
+            assignment: Assignment, prefix: str, done: TransitionDone) -> TransitionDone:
+    link, group_rank = ctx.link, assignment.group_rank
+    link.forget("switched", "missed", "failed", "progress")
+    if not link.send_all(lambda lr: worker_plan(assignment, lr, prefix)):
+        return replace(done, reason="a worker is no longer connected to its agent")
+    info.store.set(f"{READY_DIR}{group_rank}", json.dumps(
+        {"newcomer": False, "offset": assignment.rank_offset, "nproc": ctx.nproc}))
+    if group_rank == 0:
+        _coordinate(ctx, old, info)
+    raw = wait_key(old.store, SWITCH_KEY, ctx.switch_timeout + QUERY_TIMEOUT)
+    if raw is None:
+        return replace(done, reason=f"no switch step within {ctx.switch_timeout:g} s")
+    decision = loads_entry(SWITCH_KEY, raw)
+    if decision.get("restart"):
+        return replace(done, reason=str(decision.get("why", "")))
+    step = int(decision["step"])
+    receivers = [int(r) for r in decision.get("receivers", [])]
+    link.send_all(lambda lr: {"op": "switch", "step": step, "receivers": receivers})
+    ctx.say(f"round formed in {done.formed_ms:.0f} ms; switching at step {step}")
+    return _await_switch(ctx, replace(done, switch_step=step))
+
+
+def _coordinate(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo) -> None:
+    """Group rank 0: wait until every node is ready, pick the switch step, announce it."""
+    store, deadline = info.store, time.monotonic() + ctx.switch_timeout
+    while True:
+        ready = store.list_keys(READY_DIR)
+        if len(ready) >= info.world_size:
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            announce(old, info, {"restart": True, "why": (
+                f"{info.world_size - len(ready)} node(s) not ready to switch within "
+                f"{ctx.switch_timeout:g} s (--switch-timeout)")})
+            return
+        since = store.revision(READY_DIR)
+        if store.count_keys(READY_DIR) == len(ready):
+            store.watch(READY_DIR, since, min(WAIT_SLICE, remaining))
+    ctx.link.forget("progress")
+    ctx.link.send(0, {"op": "query"})
+    progress = ctx.link.wait_one(0, "progress", QUERY_TIMEOUT)
+    if progress is None:
+        announce(old, info, {"restart": True, "why": "the coordinating worker did not report "
+                                                     "its step"})
+        return
+    receivers: list[int] = []
+    for raw in ready.values():
+        entry = loads_entry(READY_DIR, raw)
+        if entry.get("newcomer"):
+            receivers.extend(range(int(entry["offset"]), int(entry["offset"]) + int(entry["nproc"])))
+    step = switch_step(int(progress["step"]), progress.get("step_time"), LEAD_SECONDS)
+    announce(old, info, {"step": step, "receivers": sorted(receivers)})
+
+
+def _await_switch(ctx: SwitchContext, done: TransitionDone) -> TransitionDone:
+    bad = ctx.link.wait_all("switched", ctx.switch_timeout, {"missed", "failed", "closed"})
+    if bad is not None:
+        why = {"missed": "a worker was already past the switch step",
+               "failed": "a worker failed to switch",
+               "closed": "a worker exited during the switch",
+               "timeout": f"the workers did not switch within {ctx.switch_timeout:g} s "
+                          "(--switch-timeout)"}[bad]
+        return replace(done, reason=why)
+    pauses = [float((ctx.link.said(lr, "switched") or {}).get("ms", 0)) for lr in range(ctx.nproc)]
+    return replace(done, mode=Mode.IN_PROCESS, pause_ms=max(pauses, default=0.0))
+
+
+def newcomer_transition(ctx: SwitchContext, info: RendezvousInfo, assignment: Assignment,
+                        generation: int) -> TransitionDone:
+    """A newcomer whose workers were started to join the running group: ready, then wait."""
+    done = TransitionDone(generation, info, assignment)
+    if ctx.link.wait_all("hello", ctx.switch_timeout, {"closed"}) is not None:
+        return replace(done, reason="the workers did not connect to their agent (do they use "
+                                  "rdzv.torch.ElasticState?)")
+    try:
+        info.store.set(f"{READY_DIR}{assignment.group_rank}", json.dumps(
+            {"newcomer": True, "offset": assignment.rank_offset, "nproc": ctx.nproc}))
+        raw = wait_key(info.store, SWITCH_KEY, ctx.switch_timeout + QUERY_TIMEOUT)
+    except RendezvousError as exc:
+        return replace(done, reason=f"cannot reach the round's store: {exc}")
+    if raw is None:
+        return replace(done, reason=f"no switch step within {ctx.switch_timeout:g} s")
+    decision = loads_entry(SWITCH_KEY, raw)
+    if decision.get("restart"):
+        return replace(done, reason=str(decision.get("why", "")))
+    ctx.say(f"joining the running group at its step {decision['step']}")
+    return _await_switch(ctx, replace(done, switch_step=int(decision["step"])))
+
+
+def wait_for_switch(old: RendezvousInfo, timeout: float) -> dict[str, Any] | None:
+    """A leaving node: the decision of the round formed without it, or None after ``timeout``."""
+    raw = wait_key(old.store, SWITCH_KEY, timeout)
+    return None if raw is None else loads_entry(SWITCH_KEY, raw)
+
