@@ -1,9 +1,13 @@
 """Elastic training you can copy: DDP on CPU (gloo) that survives nodes joining and leaving.
 
-Every worker resumes from the last checkpoint, so a membership change (the agent restarts all
-workers with the new world size) or a crash costs at most ``--save-every`` steps. Each step the
-global batch is split by the *current* rank and world size, so the data is sharded anew after a
-change. Run it with rdzv's agent:
+Under ``rdzv run`` the training loop goes on through membership changes without restarting:
+``rdzv.torch.ElasticState`` holds the model, the optimizer and the step; when a node joins or
+leaves, the agents form the next round in the background and every worker switches to the new
+process group at the same step, inside its process; a newcomer gets the state from a running
+worker. Each step the global batch is split by the *current* rank and world size, so the data
+is sharded anew after a change. Under torchrun (or after a crash) the workers are restarted
+instead and resume from the last checkpoint, which costs at most ``--save-every`` steps. Run it
+with rdzv's agent:
 
     rdzv run --nnodes 1:3 --nproc-per-node 2 --rdzv-backend tcp \\
         --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job examples/elastic_train.py
@@ -75,6 +79,17 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     return int(state["step"])
 
 
+def parameters_agree(model: nn.Module) -> bool:
+    """Whether every rank holds the same parameters: a fingerprint compared by all_reduce."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64)
+    fingerprint = torch.stack([flat.sum(), (flat * weights).sum(), (flat * flat).sum()])
+    highest, lowest = fingerprint.clone(), fingerprint.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(highest, lowest))
+
+
 def shard(step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
     """This worker's sample indices at ``step``: the global batch split by the current ranks."""
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(step))
@@ -95,45 +110,71 @@ def main() -> None:
                         help="add this many MB of frozen weights to the model (benchmarks)")
     args = parser.parse_args()
 
-    rank, world_size = rdzv.torch.init_process_group("gloo")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     inputs, targets = make_dataset()
     model = make_model(args.model_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    step = load_checkpoint(args.checkpoint, model, optimizer)
-    ddp = DistributedDataParallel(model)
-    if rank == 0:
-        print(f"starting at step {step} with world size {world_size} (restart {restart})", flush=True)
-        if step >= args.steps:
-            print(f"the checkpoint already has {step} steps: nothing to do (ask for more with "
-                  f"--steps {step + args.steps})", flush=True)
+    # Set up before joining the group: a newcomer to a running job waits in init_process_group
+    # until the others switch, so what it has done before costs them nothing.
+    rdzv.torch.init_process_group("gloo")
+    # A newcomer to a running job receives model, optimizer and step from a running worker here;
+    # everyone else (the first start, a restart, torchrun) resumes from the checkpoint.
+    state = rdzv.torch.ElasticState(model=model, optimizer=optimizer)
+    if not state.received:
+        state.step = load_checkpoint(args.checkpoint, model, optimizer)
+
+    ddp: DistributedDataParallel
+
+    @state.on_change  # after every switch to a new group; called once below for the first one
+    def rebuild(state: rdzv.torch.ElasticState) -> None:
+        """Wrap the model for the current group. Every rank holds the same parameters here (the
+        checkpoint, or the state sent by a peer), so DDP need not broadcast them; the check is
+        a collective, which every rank of the group runs, newcomers included."""
+        nonlocal ddp
+        ddp = DistributedDataParallel(model, init_sync=False)
+        agree = parameters_agree(model)
+        if state.rank == 0:
+            print(f"world size {state.world_size} at step {state.step}: parameters "
+                  f"{'identical' if agree else 'DIFFERENT'} on all ranks", flush=True)
+
+    rebuild(state)
+    if state.rank == 0:
+        how = "joined a running job" if state.received else f"restart {restart}"
+        print(f"starting at step {state.step} with world size {state.world_size} ({how})", flush=True)
+        if state.step >= args.steps:
+            print(f"the checkpoint already has {state.step} steps: nothing to do (ask for more with "
+                  f"--steps {state.step + args.steps})", flush=True)
     global_loss = torch.tensor(float("nan"))
 
-    while step < args.steps:
+    for step in state.steps(args.steps):
+        rank, world_size = state.rank, state.world_size
         indices = shard(step, args.batch_size, rank, world_size)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(ddp(inputs[indices]), targets[indices])
         loss.backward()  # DDP averages the gradients over the current world
         optimizer.step()
-        step += 1
+        done = step + 1
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         global_loss /= world_size
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-            print(f"step {step} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
+        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+            print(f"step {done} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
             if args.progress:
                 with open(args.progress, "a") as handle:
-                    handle.write(json.dumps({"step": step, "world_size": world_size,
+                    handle.write(json.dumps({"step": done, "world_size": world_size,
                                              "loss": global_loss.item(), "time": time.time()}) + "\n")
-        if rank == 0 and (step % args.save_every == 0 or step == args.steps):
-            save_checkpoint(args.checkpoint, model, optimizer, step)
+        if rank == 0 and (done % args.save_every == 0 or done == args.steps):
+            save_checkpoint(args.checkpoint, model, optimizer, done)
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
+    if state.left:  # this node left the job: the others train on without it
+        print(f"left the job after step {state.step}", flush=True)
+        return
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0 and not global_loss.isnan():
-        print(f"done: {step} steps, final loss {global_loss.item():.5f}", flush=True)
+    if state.rank == 0 and not global_loss.isnan():
+        print(f"done: {state.step} steps, final loss {global_loss.item():.5f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,11 @@ MODE_KEY = "agent/mode"
 READY_DIR = "agent/ready/"
 """In-process: a node whose workers are ready for the switch (newcomers: started and connected)."""
 SWITCH_KEY = "agent/switch"
-"""In-process: the step at which the old group switches, or that the workers restart instead;
-written by group rank 0 of the new round into the old round's store and the new one's."""
+"""How the members of a round (and a node leaving it) move to the next one: the step at which
+they switch in-process, or that the workers restart; written into the round's store by group
+rank 0 of the next round."""
+JOIN_KEY = "agent/join"
+"""The same decision in the new round's store, for its newcomers."""
 HEARTBEAT_EVERY = 5.0
 """Seconds between refreshes of a node's ``ALIVE_DIR`` entry while its workers run."""
 

@@ -14,7 +14,7 @@ of two paths and ends with one :class:`TransitionDone` event on the agent's queu
 Group rank 0 of the new round (a member of the old one) coordinates: once every node is ready it
 asks its first worker for its step and step time, picks the switch step and writes it
 (``SWITCH_KEY``) into the old round's store, where the members and a leaving node read it, and
-into the new one's, where newcomers read it. If a node is not ready in time it writes a restart
+into the new one's (``JOIN_KEY``), where newcomers read it. If a node is not ready in time it writes a restart
 instead, and every node restarts its workers in the new round. A node that leaves
 (:func:`wait_for_switch`) reads the same key to know when the others have moved on.
 """
@@ -36,6 +36,7 @@ from ._changes import Mode, choose_mode, switch_step
 from ._channel import ChannelServer
 from ._round import (
     CAPABLE_DIR,
+    JOIN_KEY,
     MODE_KEY,
     READY_DIR,
     SWITCH_KEY,
@@ -240,7 +241,7 @@ def announce(old: RendezvousInfo, new: RendezvousInfo, decision: dict[str, Any])
     """Write the switch decision where members, a leaving node and newcomers read it."""
     raw = json.dumps(decision)
     old.store.set(SWITCH_KEY, raw)
-    new.store.set(SWITCH_KEY, raw)
+    new.store.set(JOIN_KEY, raw)
 
 
 def worker_plan(assignment: Assignment, local_rank: int, prefix: str) -> dict[str, Any]:
@@ -333,8 +334,10 @@ def _coordinate(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo) -
 def _await_switch(ctx: SwitchContext, done: TransitionDone) -> TransitionDone:
     bad = ctx.link.wait_all("switched", ctx.switch_timeout, {"missed", "failed", "closed"})
     if bad is not None:
+        errors = [str((ctx.link.said(lr, "failed") or {}).get("error", ""))
+                  for lr in range(ctx.nproc)]
         why = {"missed": "a worker was already past the switch step",
-               "failed": "a worker failed to switch",
+               "failed": f"a worker failed to switch: {'; '.join(e for e in errors if e)}",
                "closed": "a worker exited during the switch",
                "timeout": f"the workers did not switch within {ctx.switch_timeout:g} s "
                           "(--switch-timeout)"}[bad]
@@ -353,12 +356,12 @@ def newcomer_transition(ctx: SwitchContext, info: RendezvousInfo, assignment: As
     try:
         info.store.set(f"{READY_DIR}{assignment.group_rank}", json.dumps(
             {"newcomer": True, "offset": assignment.rank_offset, "nproc": ctx.nproc}))
-        raw = wait_key(info.store, SWITCH_KEY, ctx.switch_timeout + QUERY_TIMEOUT)
+        raw = wait_key(info.store, JOIN_KEY, ctx.switch_timeout + QUERY_TIMEOUT)
     except RendezvousError as exc:
         return replace(done, reason=f"cannot reach the round's store: {exc}")
     if raw is None:
         return replace(done, reason=f"no switch step within {ctx.switch_timeout:g} s")
-    decision = loads_entry(SWITCH_KEY, raw)
+    decision = loads_entry(JOIN_KEY, raw)
     if decision.get("restart"):
         return replace(done, reason=str(decision.get("why", "")))
     ctx.say(f"joining the running group at its step {decision['step']}")

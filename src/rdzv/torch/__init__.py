@@ -4,6 +4,7 @@ Only this package imports torch (``pip install rdzv[torch]``); the rest of rdzv 
 
 * :class:`TorchStore` -- any rdzv store as a real ``torch.distributed.Store``.
 * :func:`init_process_group` -- one call in a worker started by ``rdzv run`` or torchrun.
+* :class:`ElasticState` -- a training loop that goes on through membership changes in-process.
 * :class:`TorchRendezvousHandler` -- rdzv's backends for torch's agent; torchrun finds them
   through the ``torchrun.handlers`` entry points as ``rdzv-tcp``, ``rdzv-file``, ``rdzv-etcd``.
 
@@ -17,10 +18,13 @@ from ._handler import (
     create_torch_handler,
     register_torch_backends,
 )
+from ._elastic import ElasticState, SwitchError
 from ._init import init_process_group
 from ._store import TorchStore
 
 __all__ = [
+    "ElasticState",
+    "SwitchError",
     "TORCHRUN_BACKENDS",
     "TorchRendezvousHandler",
     "TorchStore",

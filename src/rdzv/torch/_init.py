@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from ..errors import RendezvousParameterError
 from ..store import Store
+from ..agent._channel import ENV_JOIN
+from ._elastic import join_running_group
 from ._store import TorchStore
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,10 @@ def init_process_group(
     ``world_size`` are then given or read from RANK and WORLD_SIZE. Other keyword arguments go
     to ``torch.distributed.init_process_group``.
 
+    A worker that ``rdzv run`` started to join a running group in-process (a newcomer: its
+    environment has ``RDZV_INPROCESS_JOIN``) tells its agent that it is up, then waits here
+    until the running workers switch to the new group (see :class:`ElasticState`).
+
     Raises:
         RendezvousParameterError: rank or world size is unknown or invalid (the message says
             which variable or argument to give).
@@ -67,7 +73,9 @@ def init_process_group(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     timeout = timeout or DEFAULT_TIMEOUT
-    if store is None:
+    if store is None and os.environ.get(ENV_JOIN):
+        rank, world_size = join_running_group(backend, timeout, **kwargs)
+    elif store is None:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
             raise RendezvousParameterError(
