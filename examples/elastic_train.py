@@ -138,7 +138,7 @@ def main() -> None:
                   f"{'identical' if agree else 'DIFFERENT'} on all ranks", flush=True)
 
     rebuild(state)
-    if state.rank == 0:
+    if state.rank == 0 or state.received:
         how = "joined a running job" if state.received else f"restart {restart}"
         print(f"starting at step {state.step} with world size {state.world_size} ({how})", flush=True)
         if state.step >= args.steps:

@@ -1,4 +1,5 @@
-"""examples/elastic_train.py under ``rdzv run``: 2 nodes, a third joins, one is killed; training goes on.
+"""examples/elastic_train.py under ``rdzv run``: 2 nodes, a third joins (in-process), one is killed
+(the workers restart from the checkpoint); training goes on.
 
 Each node is a real agent (``python -m rdzv.run``) with 2 workers on loopback; rank 0 of the
 example appends its progress (step, world size, loss) to a JSON-lines file the test reads.
@@ -78,4 +79,6 @@ def test_training_goes_on_through_a_join_and_a_kill(launcher: Launcher, tmp_path
     assert means == sorted(means, reverse=True), means
     text = first.output()
     assert "starting at step 0 with world size 4" in text
-    assert "with world size 6" in text and f"done: {STEPS} steps" in text
+    assert "world size 6 at step" in text and "parameters identical on all ranks" in text
+    assert "switched in" in text  # the join: in-process; the kill: the workers restart
+    assert f"done: {STEPS} steps" in text

@@ -1,0 +1,53 @@
+"""A small training loop on rdzv.torch.ElasticState for the in-process tests.
+
+Each step all_reduces a counter (so the ranks move in lock step, as DDP does) and sleeps a
+little. ``--stall-file F --stall-rank R``: once F exists, global rank R sleeps ``--stall-seconds``
+in its next step (a worker that does not reach the switch step in time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import rdzv.torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--stall-file", default=None)
+    parser.add_argument("--stall-rank", type=int, default=1)
+    parser.add_argument("--stall-seconds", type=float, default=20.0)
+    args = parser.parse_args()
+    weight = torch.zeros(4)
+    rdzv.torch.init_process_group("gloo")
+    state = rdzv.torch.ElasticState(step=0, weight=weight)
+    stalled = False
+    for step in state.steps(args.steps):
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        if state.rank == 0:
+            print(f"step {step + 1} world_size {state.world_size} sum {int(total.item())}",
+                  flush=True)
+        if (args.stall_file and not stalled and state.rank == args.stall_rank
+                and os.path.exists(args.stall_file)):
+            stalled = True
+            print(f"rank {state.rank} stalls for {args.stall_seconds} s", flush=True)
+            time.sleep(args.stall_seconds)
+        time.sleep(args.step_sleep)
+    if state.left:
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    if state.rank == 0:
+        print(f"done: {state.step} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()
