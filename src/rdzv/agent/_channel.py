@@ -49,6 +49,15 @@ class ChannelError(RendezvousError):
     """A message on the agent-worker channel is malformed or the channel is gone."""
 
 
+def _hang_up(sock: socket.socket) -> None:
+    """Close ``sock`` so that its peer and a thread reading it here both see the end."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
@@ -130,13 +139,13 @@ class ChannelServer:
                         previous = self._workers.get(local_rank)
                         self._workers[local_rank] = conn
                     if previous is not None:
-                        previous.close()
+                        _hang_up(previous)
                 if local_rank is not None:
                     self._on_message(local_rank, message)
         except (ChannelError, KeyError, TypeError, ValueError) as exc:
             logger.warning("dropping a worker's channel connection: %s", exc)
         finally:
-            conn.close()
+            _hang_up(conn)
             if local_rank is not None:
                 with self._lock:
                     if self._workers.get(local_rank) is conn:
@@ -165,11 +174,11 @@ class ChannelServer:
         with self._lock:
             conns, self._workers = list(self._workers.values()), {}
         for conn in conns:
-            conn.close()
+            _hang_up(conn)
 
     def close(self) -> None:
         self.forget()
-        self._listener.close()
+        _hang_up(self._listener)
         for path in (self.path, self._dir):
             try:
                 os.unlink(path) if path == self.path else os.rmdir(path)
@@ -218,4 +227,4 @@ class ChannelClient:
                 logger.warning("cannot tell the agent %s: %s", message.get("op"), exc)
 
     def close(self) -> None:
-        self._sock.close()
+        _hang_up(self._sock)
