@@ -69,6 +69,21 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
         assert "run job: closed" in status(rdzv).stdout
 
 
+def test_status_shows_a_node_that_leaves(agents: Any, rdzv: Any) -> None:
+    nodes = rdzv.start(agents, 2, rdzv.until_stopped("2:2", 1))
+    rdzv.running(2)
+    nodes[1].signal(signal.SIGTERM)  # min_nodes 2: the other cannot move on; it stays leaving
+    leaving = wait_for(lambda: (s := status_json(rdzv))["members"] and
+                       any(m["leaving"] for m in s["members"]) and s, JOIN, "a leaving member")
+    assert [m["leaving"] for m in leaving["members"]] == [False, True]
+    rows = [line.split()[:2] for line in status(rdzv).stdout.splitlines()
+            if line.split() and line.split()[0].isdigit()]
+    assert rows[:2] == [["0", "yes"], ["1", "leaving"]]
+    nodes[1].signal(signal.SIGTERM)  # the second signal stops it at once
+    assert nodes[1].wait() == 128 + signal.SIGTERM
+    rdzv.stop()
+
+
 def test_status_watch_prints_again_on_changes(agents: Any, rdzv: Any) -> None:
     args = rdzv.until_stopped("2", 1)
     rdzv.start(agents, 1, args)

@@ -133,14 +133,21 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
             continue  # not an agent's entry: its age stays unknown
     leaving_dir = f"{keys.user(sealed)}/{AGENT_LEAVING}"
     leaving = {key[len(leaving_dir):] for key in store.list_keys(leaving_dir)}
-    members = []
+    # A member's rank key goes once it joins the next round (in the background while its
+    # workers run); its agent's entry stays with the round.
+    node_ids: dict[int, str | None] = {}
     for key, raw in store.list_keys(rank_dir).items():
         rank, _ = decode_rank(key, raw)
+        node_ids[rank] = key[len(rank_dir):]
+    for rank in agents:
+        node_ids.setdefault(rank, None)
+    members = []
+    for rank, node_id in node_ids.items():
         entry = agents.get(rank, {})
         stamp = entry.get("time")
         members.append(MemberStatus(
             rank=rank,
-            alive=key[len(rank_dir):] in alive,
+            alive=node_id in alive if node_id is not None else rank in last_seen,
             host=entry.get("host"),
             pid=entry.get("pid"),
             nproc=entry.get("nproc"),
