@@ -48,6 +48,10 @@ class StoreTimeoutError(StoreError, RendezvousTimeoutError, TimeoutError):
         self.keys = keys
 
 
+class QueueEmptyError(StoreError):
+    """``queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``)."""
+
+
 class StoreConnectionError(StoreError, RendezvousConnectionError, ConnectionError):
     """The store server could not be reached, or the connection to it was lost."""
 

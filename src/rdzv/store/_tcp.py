@@ -484,8 +484,9 @@ class TCPStore(StoreConnection, Store):
             remaining = deadline - _monotonic()
             if remaining <= 0:
                 raise StoreTimeoutError(
-                    f"timed out after {self._timeout:g} s waiting for {world_size} clients to join "
-                    f"the store at {self._host}:{self._port}: {joined}/{world_size} joined",
+                    f"Timed out after {self._timeout:g} seconds waiting for clients. "
+                    f"{joined}/{world_size} clients joined. (the store at {self._host}:"
+                    f"{self._port}: start the other {world_size - joined}, or raise the timeout)",
                     (INIT_KEY,),
                 )
             self.watch(INIT_KEY, rev, remaining)
