@@ -32,6 +32,10 @@ class RendezvousParameterError(RendezvousError, ValueError):
     """A rendezvous parameter, option or URL is invalid; the message says which and how to fix it."""
 
 
+class RendezvousBackendError(RendezvousError, RuntimeError):
+    """A backend's creator returned a handler of another backend (torch raises RuntimeError)."""
+
+
 class RendezvousGracefulExitError(RendezvousError):
     """This node was asked to leave the job and should exit cleanly."""
 

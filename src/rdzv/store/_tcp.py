@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import socket
 import struct
 import threading
 import time
@@ -47,6 +46,7 @@ from ._base import (
     to_bytes,
     to_seconds,
 )
+from ._embedded import check_arguments, start_server, stop_server
 from ._tcp_conn import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, StoreConnection, log
 
 __all__ = ["INIT_KEY", "MAX_UNACKED_BYTES", "MAX_UNACKED_WRITES", "TCPStore"]
@@ -89,8 +89,10 @@ class TCPStore(StoreConnection, Store):
     The arguments are torch's: ``is_master=True`` starts a :class:`~rdzv.server.StoreServer` in
     this process (port 0 picks a free port; :attr:`port` tells it), and with ``world_size`` (and
     ``wait_for_workers``) every client counts itself in and the master waits for all of them.
-    ``multi_tenant`` and ``use_libuv`` are accepted and ignored (the server is always shared);
-    ``master_listen_fd`` is a listening socket the embedded server takes over.
+    With ``multi_tenant=True`` the masters of one port in a process share one server (as
+    torch's; see :mod:`._embedded`); ``use_libuv`` is accepted and ignored;
+    ``master_listen_fd`` is a listening socket the embedded server takes over. Malformed
+    arguments (world size 0, a port outside 0-65535, a malformed host name) fail at once.
 
     ``secret`` (default: ``$RDZV_STORE_SECRET``) authenticates this client to the server and the
     server to it. ``session_ttl`` is how long the server keeps this client's ephemeral keys after
@@ -115,6 +117,9 @@ class TCPStore(StoreConnection, Store):
         session_ttl: float = DEFAULT_SESSION_TTL,
     ) -> None:
         super().__init__(timeout)
+        host_name, port, world_size = check_arguments(
+            host_name, port, world_size, is_master, master_listen_fd
+        )
         session_ttl = float(session_ttl)
         if not session_ttl >= 0:
             raise ValueError(f"session_ttl must be >= 0, got {session_ttl}")
@@ -123,17 +128,12 @@ class TCPStore(StoreConnection, Store):
         self._finalizer: weakref.finalize | None = None
         try:
             if is_master:
-                from ..server import StoreServer
-
-                sock = None
-                if master_listen_fd is not None:
-                    sock = socket.socket(fileno=master_listen_fd)
-                server = StoreServer(
-                    _bind_host(host_name), self._port, secret=self._secret, sock=sock
-                ).start()
+                server = start_server(
+                    _bind_host(host_name), self._port, self._secret, master_listen_fd, multi_tenant
+                )
                 self._server = server
                 self._port = server.port
-                self._finalizer = weakref.finalize(self, server.stop)
+                self._finalizer = weakref.finalize(self, stop_server, server)
             deadline = _monotonic() + self._timeout
             with self._lock:
                 self._connect(deadline, None)
@@ -141,7 +141,7 @@ class TCPStore(StoreConnection, Store):
             if world_size is not None and wait_for_workers:
                 self.add(INIT_KEY, 1)
                 if is_master:
-                    self._wait_for_workers(int(world_size), deadline)
+                    self._wait_for_workers(world_size, deadline)
         except BaseException:
             self.close()
             raise
