@@ -9,6 +9,8 @@ yields an object with:
 * ``child_spec() -> dict | None``: ``{"factory": "package.module:callable", "kwargs": {...}}``
   with which ``_child.py`` opens its own client of that store in another process, or None for
   in-process stores (then "other process" tests use a thread with ``new_client()``);
+* ``bad_constructions() -> list[(call, exception type, message regex)]``: constructor calls
+  with malformed arguments, each of which must fail at once (no connecting, no waiting);
 * optionally ``session_ttl: float``: the heartbeat time-to-live of the child's clients (small,
   e.g. 2 s), which enables the test that a SIGSTOPped child's ephemeral keys expire.
 
@@ -107,6 +109,15 @@ class StoreContract:
     # -- capabilities, lifecycle ----------------------------------------------------------
     def test_capabilities_are_declared(self, store: Store) -> None:
         assert isinstance(store.capabilities, StoreCapabilities)
+
+    def test_malformed_constructor_arguments_fail_at_once(self, store_factory: Any) -> None:
+        """As torch's stores refuse world_size=0 at once: every malformed argument is refused
+        before connecting or waiting, with a message that names it."""
+        for call, error, message in store_factory.bad_constructions():
+            started = time.monotonic()
+            with pytest.raises(error, match=message):
+                call()
+            assert time.monotonic() - started < 5.0, f"{message!r} took its time to fail"
 
     def test_close_twice_and_context_manager(self, store_factory: Any) -> None:
         client = store_factory.new_client()

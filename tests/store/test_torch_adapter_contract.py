@@ -9,7 +9,7 @@ an adapter of their own over a TCPStore client.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
@@ -136,6 +136,13 @@ class AdapterFactory:
         client = C10dView(adapter) if self.through_c10d else adapter
         client.raises_torch_errors = True  # type: ignore[attr-defined]  # (see the contract)
         return client
+
+    def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
+        return [
+            (lambda: TorchStore(None), TypeError, "TorchStore wraps an rdzv store"),  # type: ignore[arg-type]
+            (lambda: TorchStore(dist.HashStore()), TypeError, "torch's own stores need no adapter"),
+            *self.base.bad_constructions(),
+        ]
 
     def child_spec(self) -> dict[str, Any] | None:
         spec = self.base.child_spec()
