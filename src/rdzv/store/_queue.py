@@ -23,42 +23,18 @@ from __future__ import annotations
 import os
 import struct
 import time
-from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import QueueEmptyError, StoreTimeoutError, StoreValueError
 
 if TYPE_CHECKING:
-    from ._base import Reads, Timeout, Value
+    from ._base import Store
 
 MAGIC = b"rdzv-queue\x00"
 """How a queue's value starts."""
 _NONCE_SIZE = 16
 _HEADER_SIZE = len(MAGIC) + _NONCE_SIZE
 _LEN = struct.Struct("<I")
-
-
-class QueueStore(Protocol):
-    """What the queue operations use of a store (any rdzv Store, or the TorchStore adapter)."""
-
-    @property
-    def timeout(self) -> timedelta: ...
-
-    def try_get(self, key: str) -> bytes | None: ...
-
-    def compare_set(
-        self, key: str, expected: "Value", desired: "Value", *, ephemeral: bool = False
-    ) -> bytes: ...
-
-    def read_many(
-        self,
-        keys: Sequence[str] = (),
-        counts: Sequence[str] = (),
-        revisions: Sequence[str] = (),
-        lists: Sequence[str] = (),
-    ) -> "Reads": ...
-
-    def watch(self, path: str, since: int, timeout: "Timeout" = None) -> int: ...
 
 
 def encode(items: list[bytes]) -> bytes:
@@ -97,7 +73,7 @@ def _not_a_queue(key: str, value: bytes) -> StoreValueError:
     )
 
 
-def push(store: QueueStore, key: str, value: bytes) -> None:
+def push(store: "Store", key: str, value: bytes) -> None:
     """Append ``value`` to the queue at ``key``."""
     deadline = time.monotonic() + store.timeout.total_seconds()
     while True:
@@ -108,7 +84,7 @@ def push(store: QueueStore, key: str, value: bytes) -> None:
         _check_progress(key, deadline, "push to")
 
 
-def pop(store: QueueStore, key: str, block: bool) -> bytes:
+def pop(store: "Store", key: str, block: bool) -> bytes:
     """Take the first item of the queue at ``key``; wait for one (up to the store's timeout)
     when ``block``, else raise QueueEmptyError if there is none."""
     from ._base import timeout_error
@@ -133,7 +109,7 @@ def pop(store: QueueStore, key: str, block: bool) -> bytes:
         store.watch(key, revision, remaining)
 
 
-def length(store: QueueStore, key: str) -> int:
+def length(store: "Store", key: str) -> int:
     """How many items the queue at ``key`` holds (0 if it does not exist)."""
     return len(decode(key, store.try_get(key)))
 

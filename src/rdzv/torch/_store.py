@@ -69,9 +69,10 @@ class TorchStore(dist.Store):
     def capabilities(self) -> StoreCapabilities:
         return self._store.capabilities
 
-    def _as_queue_store(self) -> _queue.QueueStore:
-        """This adapter for the queue operations (its ``timeout`` is torch's C++ property)."""
-        return cast(_queue.QueueStore, self)
+    def _as_queue_store(self) -> Store:
+        """This adapter as the rdzv Store it is registered as (for the queue operations, which
+        then use torch's timeout, the C++ property)."""
+        return cast(Store, self)
 
     def _seconds(self) -> float:
         return self.timeout.total_seconds()  # type: ignore[attr-defined]  # torch's C++ property
