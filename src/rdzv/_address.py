@@ -15,8 +15,9 @@ from .errors import RendezvousParameterError
 DEFAULT_HOST = "localhost"
 """The host of an empty endpoint (torch's ``parse_rendezvous_endpoint``)."""
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
-"""A host name: dot-separated labels of letters, digits, ``-`` and ``_`` (torch accepts ``_``)."""
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")
+"""A host name: dot-separated labels of letters, digits, ``-`` and ``_`` (torch accepts ``_``),
+with an optional final dot (a fully qualified name)."""
 _PORT = re.compile(r"[0-9]{1,5}")
 
 
