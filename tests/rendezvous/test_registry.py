@@ -210,6 +210,9 @@ def test_file_url_of_a_relative_directory_is_refused() -> None:
         ("tcp://h:port/job?nnodes=1", "'h:port' is not a HOST:PORT endpoint"),
         ("tcp://h:70000/job?nnodes=1", "'h:70000' is not a HOST:PORT endpoint"),
         ("tcp://::1:5/job?nnodes=1", "'::1:5' is not a HOST:PORT endpoint"),
+        ("tcp://h:/job?nnodes=1", "'h:' is not a HOST:PORT endpoint"),
+        ("tcp://~:1/job?nnodes=1", "'~:1' is not a HOST:PORT endpoint (The hostname of"),
+        ("etcd://h:1,,h:2/job?nnodes=1", "'' is not a HOST:PORT endpoint"),
         ("file://shared/dir/job?nnodes=1", "a file URL has three slashes and an absolute "
          "directory (got host 'shared')"),
         ("file:///job?nnodes=1", "the directory before the run id is missing"),
