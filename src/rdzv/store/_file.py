@@ -59,6 +59,9 @@ DEFAULT_COMPACT_BYTES = 1 << 20
 LOCK_MIN_WAIT = 10.0
 """Seconds a call waits at least for the file lock, however short its own timeout."""
 
+_in_call = threading.local()
+"""``depth``: how many FileStore calls the current thread is inside (holding a file lock)."""
+
 _process_locks: dict[str, threading.RLock] = {}
 _process_locks_guard = threading.Lock()
 
@@ -151,6 +154,14 @@ class FileStore(Store):
         ``world_size`` clients, delete the file, as torch's FileStore does in its destructor."""
         if getattr(self, "_closed", True):
             return  # closed, or __init__ failed before the session was opened
+        if getattr(_in_call, "depth", 0):
+            # Collected inside a FileStore call of this thread, which holds a file lock that
+            # closing would wait for: close from a thread of its own (self lives on in it).
+            try:
+                threading.Thread(target=self.close, name="FileStore close", daemon=True).start()
+                return
+            except RuntimeError:  # (no new threads at interpreter shutdown)
+                pass
         try:
             self.close()
         except Exception as exc:  # noqa: BLE001 - nothing may escape a finalizer
@@ -199,6 +210,7 @@ class FileStore(Store):
             raise StoreTimeoutError(
                 f"FileStore {self.file_name}: another thread of this process held it {patience:g} s"
             )
+        _in_call.depth = getattr(_in_call, "depth", 0) + 1
         try:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             while True:
@@ -217,6 +229,7 @@ class FileStore(Store):
                 os.close(fd)  # replaced by a compacted file, or deleted: move to the new one
                 self._fd = None
         finally:
+            _in_call.depth -= 1
             self._lock.release()
 
     def _catch_up(self, fd: int, exclusive: bool) -> None:
