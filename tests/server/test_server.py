@@ -530,3 +530,15 @@ def test_torch_positional_arguments() -> None:
     master = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), True)
     assert master.timeout == timedelta(seconds=10)
     master.close()
+
+
+@pytest.mark.parametrize(
+    "host, port, error, message",
+    [("127.0.0.1", 70000, ValueError, "store server port must be an integer between 0 and 65535"),
+     ("127.0.0.1", -1, ValueError, "got -1"),
+     ("127.0.0.1", "29400", TypeError, "port must be an int, not str"),
+     ("~", 0, ValueError, "store server host '~' must be a dot-separated list")],
+)
+def test_malformed_host_or_port_is_refused_before_listening(host, port, error, message) -> None:
+    with pytest.raises(error, match=message):
+        StoreServer(host, port)
