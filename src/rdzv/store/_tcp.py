@@ -47,6 +47,7 @@ from ._base import (
     to_seconds,
 )
 from ._embedded import check_arguments, start_server, stop_server
+from ._keepalive import KEEPALIVE
 from ._tcp_conn import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, StoreConnection, log
 
 __all__ = ["INIT_KEY", "MAX_UNACKED_BYTES", "MAX_UNACKED_WRITES", "TCPStore"]
@@ -137,7 +138,7 @@ class TCPStore(StoreConnection, Store):
             deadline = _monotonic() + self._timeout
             with self._lock:
                 self._connect(deadline, None)
-            _KEEPALIVE.register(self)
+            KEEPALIVE.register(self)
             if world_size is not None and wait_for_workers:
                 self.add(INIT_KEY, 1)
                 if is_master:
@@ -456,7 +457,7 @@ class TCPStore(StoreConnection, Store):
                         pass
                     self._disconnect()
                 self._close_stale()
-        _KEEPALIVE.unregister(self)
+        KEEPALIVE.unregister(self)
         if self._finalizer is not None:
             self._finalizer()
 
@@ -490,51 +491,3 @@ class TCPStore(StoreConnection, Store):
                     (INIT_KEY,),
                 )
             self.watch(INIT_KEY, rev, remaining)
-
-
-class _Keepalive:
-    """One thread per process pinging the idle connections of every TCPStore."""
-
-    def __init__(self) -> None:
-        self._stores: "weakref.WeakSet[TCPStore]" = weakref.WeakSet()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._wake_at = 0.0
-        """When the thread wakes next: a store registered with an earlier ping due wakes it."""
-
-    def register(self, store: TCPStore) -> None:
-        with self._cond:
-            self._stores.add(store)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="rdzv-store-keepalive", daemon=True)
-                self._thread.start()
-            elif store._keepalive_due() < self._wake_at:
-                self._cond.notify()  # not for every store: each wake-up visits all of them
-
-    def unregister(self, store: TCPStore) -> None:
-        with self._cond:
-            self._stores.discard(store)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                stores = list(self._stores)
-            now = _monotonic()
-            next_due = now + 1.0
-            for store in stores:
-                due = store._keepalive_due()
-                if due <= now:
-                    store._keepalive()
-                    due = store._keepalive_due()
-                    if due <= now:  # busy: its own call is on the wire
-                        due = now + 0.05
-                if due < next_due:
-                    next_due = due
-            del stores
-            with self._cond:
-                self._wake_at = next_due
-                self._cond.wait(max(0.005, next_due - _monotonic()))
-
-
-_KEEPALIVE = _Keepalive()
-
