@@ -39,11 +39,14 @@ def torch_class(ours: type[errors.StoreError]) -> type[errors.StoreError]:
         made = _made.get(ours)
         if made is None:
             theirs = next(t for o, t in _TORCH_CLASSES if issubclass(ours, o))
-            made = type(ours.__name__, (ours, theirs), {
+            name = f"Torch{ours.__name__}"
+            made = type(name, (ours, theirs), {
                 "__module__": __name__,
                 "__doc__": f"rdzv's {ours.__name__}, also torch's {theirs.__name__}.",
             })
             _made[ours] = made
+            if globals().setdefault(name, made) is not made:  # (a namesake from elsewhere)
+                made.__qualname__ = f"{name}_{id(made):x}"  # not picklable by name then
         return made
 
 
