@@ -39,14 +39,15 @@ def torch_class(ours: type[errors.StoreError]) -> type[errors.StoreError]:
         made = _made.get(ours)
         if made is None:
             theirs = next(t for o, t in _TORCH_CLASSES if issubclass(ours, o))
-            name = f"Torch{ours.__name__}"
-            made = type(name, (ours, theirs), {
+            # Named as rdzv's class (what messages and type names show); reachable for pickle
+            # as the module attribute Torch<name> (unless a namesake from elsewhere has it).
+            made = type(ours.__name__, (ours, theirs), {
                 "__module__": __name__,
+                "__qualname__": f"Torch{ours.__name__}",
                 "__doc__": f"rdzv's {ours.__name__}, also torch's {theirs.__name__}.",
             })
             _made[ours] = made
-            if globals().setdefault(name, made) is not made:  # (a namesake from elsewhere)
-                made.__qualname__ = f"{name}_{id(made):x}"  # not picklable by name then
+            globals().setdefault(made.__qualname__, made)
         return made
 
 
