@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -71,8 +72,11 @@ def test_timeouts_are_dist_store_errors_saying_timeout() -> None:
                 store.get("k")
             with pytest.raises(dist.DistStoreError, match="wait timeout after"):
                 store.wait(["k"], SHORT)
-        with pytest.raises(rdzv.StoreTimeoutError):  # rdzv's own class too
+        with pytest.raises(rdzv.StoreTimeoutError) as info:  # rdzv's own class too
             ours.get("k")
+        assert type(info.value).__name__ == "StoreTimeoutError"
+        copy = pickle.loads(pickle.dumps(info.value))  # (e.g. sent back by a worker pool)
+        assert isinstance(copy, dist.DistStoreError) and copy.keys == ("k",)
     finally:
         ours.close()
 
