@@ -9,8 +9,8 @@ ephemeral keys...) so that it is still an rdzv Store as well.
 
 Errors are torch's as well as rdzv's (:mod:`._errors`): a timeout is a
 ``torch.distributed.DistStoreError`` and an :class:`~rdzv.errors.StoreTimeoutError`. The
-queues (``queue_push``, ``queue_pop``, ``queue_len``) are rdzv's (:mod:`rdzv.store._queue`) on
-the wrapped store.
+queues (``queue_push``, ``queue_pop``, ``queue_len``) are rdzv's (:mod:`rdzv.store._queue`), run
+through the adapter (a blocking pop waits for torch's timeout).
 
 The blocking calls use the timeout torch keeps in C++ (``TorchStore.timeout``), which torch's
 own code may change through a ``PrefixStore`` without calling Python; ``set_timeout`` from Python
@@ -25,8 +25,7 @@ from typing import ContextManager, Sequence, cast
 
 import torch.distributed as dist
 
-from ..store import Store, StoreCapabilities
-from ..store import _queue
+from ..store import Store, StoreCapabilities, _queue
 from ..store._base import Reads, Timeout, Value, check_key, to_bytes, to_seconds
 from ._errors import torch_errors
 
