@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from ._lazy import lazy_exports
 from ._version import __version__
 from .errors import (
+    QueueEmptyError,
+    RendezvousBackendError,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
@@ -65,6 +67,8 @@ __all__ = [
     "FileStore",
     "HashStore",
     "PrefixStore",
+    "QueueEmptyError",
+    "RendezvousBackendError",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",

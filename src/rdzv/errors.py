@@ -32,6 +32,10 @@ class RendezvousParameterError(RendezvousError, ValueError):
     """A rendezvous parameter, option or URL is invalid; the message says which and how to fix it."""
 
 
+class RendezvousBackendError(RendezvousError, RuntimeError):
+    """A backend's creator returned a handler of another backend (torch raises RuntimeError)."""
+
+
 class RendezvousGracefulExitError(RendezvousError):
     """This node was asked to leave the job and should exit cleanly."""
 
@@ -46,6 +50,10 @@ class StoreTimeoutError(StoreError, RendezvousTimeoutError, TimeoutError):
     def __init__(self, message: str, keys: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.keys = keys
+
+
+class QueueEmptyError(StoreError):
+    """``queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``)."""
 
 
 class StoreConnectionError(StoreError, RendezvousConnectionError, ConnectionError):

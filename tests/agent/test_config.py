@@ -49,6 +49,19 @@ def test_env_vars_stand_for_missing_flags_and_flags_win() -> None:
     assert (config.rdzv_endpoint, config.run_id, config.max_restarts) == ("h:1", "from-env", 1)
 
 
+@pytest.mark.parametrize(
+    "endpoint, expected",
+    [("", "localhost:29400"), ("  ", "localhost:29400"), ("node-0", "node-0:29400"),
+     ("10.0.0.1:1234", "10.0.0.1:1234"), ("[::1]", "[::1]:29400"), ("[::1]:5", "[::1]:5")],
+)
+def test_tcp_endpoint_defaults_as_torchs_c10d(endpoint: str, expected: str) -> None:
+    """torchrun's --rdzv-endpoint defaults to empty, which torch's c10d takes as
+    localhost:29400 (a missing port as 29400): so does `rdzv run`."""
+    config = parse(["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "train.py"])
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("tcp", expected)
+    assert parse(["train.py"]).rdzv_endpoint == "localhost:29400"
+
+
 def test_standalone_needs_nothing_else() -> None:
     config = parse(["--standalone", "--nproc-per-node", "2", "train.py"])
     assert config.standalone and config.rdzv_backend == "tcp"
@@ -88,7 +101,20 @@ def test_redirects_and_tee_per_rank() -> None:
          "static jobs"),
         (["--nnodes", "1:2", "--node-rank", "0"], {}, "--nnodes", "fixed size"),
         (["--nnodes", "2", "--node-rank", "2"], {}, "--node-rank", "0..1"),
-        (["--rdzv-backend", "tcp"], {}, "--rdzv-endpoint", "needs an endpoint"),
+        (["--rdzv-backend", "etcd"], {}, "--rdzv-endpoint", "needs an endpoint"),
+        (["--rdzv-endpoint", "~", "--rdzv-id", "j"], {}, "--rdzv-endpoint",
+         "The hostname of the rendezvous endpoint '~' must be a dot-separated list of labels"),
+        (["--rdzv-endpoint", "dummy.com :123"], {}, "--rdzv-endpoint", "The hostname of"),
+        (["--rdzv-endpoint", ":29400"], {}, "--rdzv-endpoint", "The hostname of"),
+        (["--rdzv-endpoint", "host:"], {}, "--rdzv-endpoint",
+         "The port number of the rendezvous endpoint 'host:' must be an integer"),
+        (["--rdzv-endpoint", "host:65536"], {}, "--rdzv-endpoint", "The port number of"),
+        ([], {"PET_RDZV_ENDPOINT": "a b:1"}, "PET_RDZV_ENDPOINT", "The hostname of"),
+        (["--rdzv-conf", "a=1,,c=2", *ELASTIC], {}, "--rdzv-conf",
+         "The rendezvous configuration string must be in format <key1>=<value1>"),
+        (["--rdzv-conf", "join_timeout=", *ELASTIC], {}, "--rdzv-conf",
+         "The rendezvous configuration option 'join_timeout' must have a value specified"),
+        (["--rdzv-conf", "=5", *ELASTIC], {}, "--rdzv-conf", "must be in format"),
         (["-m", "--no-python", *ELASTIC], {}, "-m/--no-python/--run-path", "at most one"),
         (["--role", "a b", *ELASTIC], {}, "--role", "not a role name"),
         ([*ELASTIC], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE", "1 or 0"),

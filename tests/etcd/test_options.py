@@ -21,11 +21,15 @@ def test_endpoint_forms() -> None:
     [
         ("", "no etcd endpoint"),
         ("ftp://h:1", "scheme must be http or https"),
-        ("h:notaport", "not a number"),
-        ("h:70000", "not a number"),
+        ("h:notaport", "The port number of the rendezvous endpoint 'h:notaport' must be"),
+        ("h:70000", "The port number of"),
+        ("h:", "The port number of the rendezvous endpoint 'h:'"),
+        ("h:0", "port 0 is not a number in 1..65535"),
+        ("~:2379", "The hostname of the rendezvous endpoint '~:2379' must be"),
         ("http://h:1,https://h:2", "mix http and https"),
         ("http://h:1/v3", "has a path"),
-        (":2379", "no host"),
+        (":2379", "The hostname of"),
+        ("h:1,,h:2", "no host"),
     ],
 )
 def test_bad_endpoints_say_what_is_wrong(spec: str, message: str) -> None:

@@ -54,7 +54,7 @@ class Runtime:
             return h.num_nodes_waiting()
         if op == "wait_change":
             return h.wait_for_membership_change(*args)
-        if op in ("is_closed", "set_closed", "shutdown"):
+        if op in ("is_closed", "set_closed", "shutdown", "get_backend"):
             return getattr(h, op)()
         if op == "store_set":
             self.info.store.set(args[0], args[1])

@@ -4,6 +4,7 @@ Subclass :class:`RendezvousContract` in a ``test_*.py`` module of ``tests/rendez
 it with ``from rendezvous_contract import RendezvousContract``) and give the subclass a fixture ``cluster``
 yielding an object with:
 
+* ``backend``: the name the nodes' handlers are created by;
 * ``node(min_nodes, max_nodes, run_id="job", **options)``: a new node (a :class:`ThreadNode`
   or :class:`ProcessNode` of ``_nodes.py``) of one fresh store, closed at teardown;
 * ``raw_store()``: a client of that store (to plant corrupt data);
@@ -48,6 +49,11 @@ def check_round(results: list[dict[str, Any]], world_size: int) -> None:
 
 
 class RendezvousContract:
+    def test_handler_names_the_backend_it_was_created_for(self, cluster):
+        """torch's registry refuses a handler whose get_backend() is not the backend asked for
+        (rdzv's too): each backend's handler says its name."""
+        assert cluster.node(1, 1).request("get_backend").result(AT_ONCE) == cluster.backend
+
     # -- barrier -------------------------------------------------------------------------------
     def test_round_completes_at_once_when_max_nodes_join(self, cluster):
         nodes = [cluster.node(2, 3, last_call_timeout=LONG) for _ in range(3)]

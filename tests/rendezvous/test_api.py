@@ -52,12 +52,13 @@ def test_store_info_is_a_frozen_value() -> None:
 class _Handler(RendezvousHandler):
     """The smallest concrete handler: rounds come from a callable, waiting nodes from a counter."""
 
-    def __init__(self, round_maker=None) -> None:
+    def __init__(self, round_maker=None, backend: str = "test") -> None:
         self.waiting = 0
         self.round_maker = round_maker or (lambda: RendezvousInfo(HashStore(), 0, 1))
+        self.backend = backend
 
     def get_backend(self) -> str:
-        return "test"
+        return self.backend
 
     def next_rendezvous(self) -> RendezvousInfo:
         return self.round_maker()

@@ -16,6 +16,7 @@ _endpoints = itertools.count()
 
 
 class MemoryCluster:
+    backend = "memory"
     processes = False
     hung_options = None
 
@@ -25,7 +26,7 @@ class MemoryCluster:
 
     def node(self, min_nodes: int, max_nodes: int, run_id: str = "job", **options) -> ThreadNode:
         options.setdefault("join_timeout", 60.0)
-        params = RendezvousParameters("memory", self.endpoint, run_id, min_nodes, max_nodes,
+        params = RendezvousParameters(self.backend, self.endpoint, run_id, min_nodes, max_nodes,
                                       **options)
         node = ThreadNode(get_rendezvous_handler(params))
         self.nodes.append(node)

@@ -9,6 +9,7 @@ import pytest
 
 from rdzv.rendezvous import (
     ENTRY_POINT_GROUP,
+    RendezvousBackendError,
     RendezvousHandlerRegistry,
     RendezvousInfo,
     RendezvousParameters,
@@ -22,11 +23,11 @@ from test_api import _Handler  # the smallest concrete handler
 
 
 def _creator(params: RendezvousParameters) -> _Handler:
-    return _Handler()
+    return _Handler(backend=params.backend)
 
 
 def _other_creator(params: RendezvousParameters) -> _Handler:
-    return _Handler()
+    return _Handler(backend=params.backend)
 
 
 def params(backend: str = "mine") -> RendezvousParameters:
@@ -83,6 +84,24 @@ def test_a_creator_returning_no_handler_is_an_error() -> None:
         registry.create_handler(params("bad"))
 
 
+def test_a_handler_of_another_backend_is_an_error() -> None:
+    """As torch's registry: the handler's get_backend() must be the backend asked for."""
+    registry = RendezvousHandlerRegistry()
+    registry.register("asked", lambda p: _Handler(backend="other"))
+    with pytest.raises(RendezvousBackendError, match="The rendezvous backend 'other' does not "
+                       "match the requested backend 'asked'") as info:
+        registry.create_handler(params("asked"))
+    assert isinstance(info.value, RuntimeError)  # torch's class
+    for name in ("tcp", "c10d"):  # one creator, two names: each handler says the name asked for
+        handler = handler_registry.create_handler(
+            RendezvousParameters(name, "127.0.0.1:0", "job", 1, 1, is_host=True)
+        )
+        try:
+            assert handler.get_backend() == name
+        finally:
+            handler.shutdown()
+
+
 def test_a_backend_whose_module_is_missing_says_so() -> None:
     registry = RendezvousHandlerRegistry({"ghost": "rdzv_no_such_module:create_handler"})
     with pytest.raises(ValueError, match="The rendezvous backend 'ghost' is not available: "
@@ -112,7 +131,7 @@ def test_entry_point_backend(tmp_path, monkeypatch) -> None:
         from test_api import _Handler
 
         def create_handler(params):
-            handler = _Handler()
+            handler = _Handler(backend=params.backend)
             handler.waiting = int(params.get("waiting", 0))
             return handler
     """))
@@ -191,6 +210,9 @@ def test_file_url_of_a_relative_directory_is_refused() -> None:
         ("tcp://h:port/job?nnodes=1", "'h:port' is not a HOST:PORT endpoint"),
         ("tcp://h:70000/job?nnodes=1", "'h:70000' is not a HOST:PORT endpoint"),
         ("tcp://::1:5/job?nnodes=1", "'::1:5' is not a HOST:PORT endpoint"),
+        ("tcp://h:/job?nnodes=1", "'h:' is not a HOST:PORT endpoint"),
+        ("tcp://~:1/job?nnodes=1", "'~:1' is not a HOST:PORT endpoint (The hostname of"),
+        ("etcd://h:1,,h:2/job?nnodes=1", "'' is not a HOST:PORT endpoint"),
         ("file://shared/dir/job?nnodes=1", "a file URL has three slashes and an absolute "
          "directory (got host 'shared')"),
         ("file:///job?nnodes=1", "the directory before the run id is missing"),

@@ -449,7 +449,7 @@ def test_client_waits_for_a_server_that_starts_late() -> None:
 
 def test_timeout_names_the_key(store: TCPStore) -> None:
     store.set_timeout(0.2)
-    with pytest.raises(StoreTimeoutError, match="'missing/key'") as info:
+    with pytest.raises(StoreTimeoutError, match="wait timeout after 200ms, keys: missing/key") as info:
         store.get("missing/key")
     assert info.value.keys == ("missing/key",)
     store.set("present", "1")
@@ -520,7 +520,7 @@ def test_world_size_waits_for_every_worker() -> None:
 
 
 def test_world_size_timeout_says_how_many_joined() -> None:
-    with pytest.raises(StoreTimeoutError, match="1/2 joined"):
+    with pytest.raises(StoreTimeoutError, match="Timed out after 0.5 seconds waiting for clients. 1/2 clients joined."):
         TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=0.5)
 
 
@@ -530,3 +530,15 @@ def test_torch_positional_arguments() -> None:
     master = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), True)
     assert master.timeout == timedelta(seconds=10)
     master.close()
+
+
+@pytest.mark.parametrize(
+    "host, port, error, message",
+    [("127.0.0.1", 70000, ValueError, "store server port must be an integer between 0 and 65535"),
+     ("127.0.0.1", -1, ValueError, "got -1"),
+     ("127.0.0.1", "29400", TypeError, "port must be an int, not str"),
+     ("~", 0, ValueError, "store server host '~' must be a dot-separated list")],
+)
+def test_malformed_host_or_port_is_refused_before_listening(host, port, error, message) -> None:
+    with pytest.raises(error, match=message):
+        StoreServer(host, port)

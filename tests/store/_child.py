@@ -5,8 +5,8 @@ Run as ``python _child.py '<spec>'`` where spec is ``{"factory": "module:callabl
 child prints ``{"ready": true}`` once its client is open, then reads one request per line,
 ``{"op": "set", "args": [...], "kwargs": {...}}``, calls that method of its client and prints
 ``{"result": ...}`` or ``{"error": "<exception type>", "message": "..."}``. Bytes travel as
-``{"b64": "..."}``. The extra op ``add_many(key, amount, count)`` adds ``count`` times and
-returns every result. End of input closes the client and exits.
+``{"b64": "..."}``. The extra ops ``add_many(key, amount, count)`` (adds ``count`` times)
+and ``pop_many(key, count)`` (pops ``count`` items of a queue) return every result. End of input closes the client and exits.
 """
 
 from __future__ import annotations
@@ -68,16 +68,29 @@ def add_many(client: Any, key: str, amount: int, count: int) -> list[int]:
     return [client.add(key, amount) for _ in range(count)]
 
 
+def pop_many(client: Any, key: str, count: int) -> list[bytes]:
+    return [client.queue_pop(key) for _ in range(count)]
+
+
+EXTRA_OPS: dict[str, Callable[..., Any]] = {"add_many": add_many, "pop_many": pop_many}
+"""Ops beyond the client's methods: loops run inside the peer."""
+
+
+def call_op(client: Any, op: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """Run request ``op`` on ``client``: an extra op, or the client's method of that name."""
+    extra = EXTRA_OPS.get(op)
+    if extra is not None:
+        return extra(client, *args, **kwargs)
+    return getattr(client, op)(*args, **kwargs)
+
+
 def serve(client: Any) -> None:
     """Answer requests from stdin until it closes."""
     for line in sys.stdin:
         request = json.loads(line)
         op, args, kwargs = request["op"], decode(request.get("args", [])), request.get("kwargs", {})
         try:
-            if op == "add_many":
-                result = add_many(client, *args)
-            else:
-                result = getattr(client, op)(*args, **decode(kwargs))
+            result = call_op(client, op, args, decode(kwargs))
             reply = {"result": encode(result)}
         except Exception as exc:  # reported to the parent, which asserts on it
             reply = {"error": type(exc).__name__, "message": str(exc)}

@@ -13,7 +13,7 @@ import queue
 import threading
 from typing import Any
 
-from _child import decode, encode
+from _child import call_op, decode, encode
 from _child_process import PipedChild
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child.py")
@@ -91,11 +91,7 @@ class ThreadPeer:
         while (request := self._requests.get()) is not None:
             op, args, kwargs = request
             try:
-                if op == "add_many":
-                    key, amount, count = args
-                    result: Any = [self.client.add(key, amount) for _ in range(count)]
-                else:
-                    result = getattr(self.client, op)(*args, **kwargs)
+                result = call_op(self.client, op, list(args), kwargs)
                 self._replies.put((True, result))
             except Exception as exc:  # re-raised in the test thread as PeerError
                 self._replies.put((False, PeerError(type(exc).__name__, str(exc))))

@@ -9,6 +9,8 @@ yields an object with:
 * ``child_spec() -> dict | None``: ``{"factory": "package.module:callable", "kwargs": {...}}``
   with which ``_child.py`` opens its own client of that store in another process, or None for
   in-process stores (then "other process" tests use a thread with ``new_client()``);
+* ``bad_constructions() -> list[(call, exception type, message regex)]``: constructor calls
+  with malformed arguments, each of which must fail at once (no connecting, no waiting);
 * optionally ``session_ttl: float``: the heartbeat time-to-live of the child's clients (small,
   e.g. 2 s), which enables the test that a SIGSTOPped child's ephemeral keys expire.
 
@@ -26,7 +28,7 @@ import pytest
 
 from _peers import PeerError, ProcessPeer, ThreadPeer
 
-from rdzv.errors import StoreTimeoutError, StoreValueError
+from rdzv.errors import QueueEmptyError, StoreTimeoutError, StoreValueError
 from rdzv.store import PrefixStore, Store, StoreCapabilities
 from _waiting import eventually
 
@@ -108,6 +110,15 @@ class StoreContract:
     def test_capabilities_are_declared(self, store: Store) -> None:
         assert isinstance(store.capabilities, StoreCapabilities)
 
+    def test_malformed_constructor_arguments_fail_at_once(self, store_factory: Any) -> None:
+        """As torch's stores refuse world_size=0 at once: every malformed argument is refused
+        before connecting or waiting, with a message that names it."""
+        for call, error, message in store_factory.bad_constructions():
+            started = time.monotonic()
+            with pytest.raises(error, match=message):
+                call()
+            assert time.monotonic() - started < 5.0, f"{message!r} took its time to fail"
+
     def test_close_twice_and_context_manager(self, store_factory: Any) -> None:
         client = store_factory.new_client()
         with client as entered:
@@ -167,6 +178,19 @@ class StoreContract:
         (awaited,) = info.value.keys  # a PrefixStore names the key with its prefix
         assert awaited.endswith("missing-key")
         assert isinstance(info.value, TimeoutError)
+
+    def test_timeout_error_reads_like_torchs(self, store: Store) -> None:
+        """torch's words first (``wait timeout after 200ms, keys: ...``): code that matches
+        torch's message, or catches torch's class through TorchStore, sees rdzv's too."""
+        store.set_timeout(SHORT)
+        for call in (lambda: store.get("late"), lambda: store.wait(["late"], SHORT)):
+            with pytest.raises(StoreTimeoutError, match=r"^wait timeout after 200ms, keys: \S*late"):
+                call()
+        if getattr(store, "raises_torch_errors", False):
+            import torch.distributed as dist
+
+            with pytest.raises(dist.DistStoreError, match="wait timeout"):
+                store.get("late")
 
     def test_set_timeout_and_timeout(self, store: Store) -> None:
         store.set_timeout(timedelta(seconds=12))
@@ -300,6 +324,71 @@ class StoreContract:
         assert store.try_get("nothing") is None
         store.set("something", b"")
         assert store.try_get("something") == b""
+
+    # -- queues (torch's queue_push / queue_pop / queue_len) -------------------------------------
+    def test_queue_push_pop_len_first_in_first_out(self, store: Store, client: Store) -> None:
+        assert store.queue_len("q") == 0
+        store.queue_push("q", "first")
+        client.queue_push("q", b"\x00second")
+        store.queue_push("q", b"")
+        assert client.queue_len("q") == 3
+        assert client.queue_pop("q") == b"first"
+        assert store.queue_pop("q", block=False) == b"\x00second"
+        assert store.queue_pop("q") == b""
+        assert store.queue_len("q") == 0
+
+    def test_queue_pop_of_empty_queue_without_blocking(self, store: Store) -> None:
+        with pytest.raises(QueueEmptyError, match="queue is empty") as info:
+            store.queue_pop("empty", block=False)
+        assert isinstance(info.value, RuntimeError)  # as torch's QueueEmptyError
+        if getattr(store, "raises_torch_errors", False):
+            import torch.distributed as dist
+
+            with pytest.raises(dist.QueueEmptyError):
+                store.queue_pop("empty", block=False)
+
+    def test_queue_pop_times_out_with_the_stores_error(self, store: Store) -> None:
+        store.set_timeout(SHORT)
+        started = time.monotonic()
+        with pytest.raises(StoreTimeoutError, match=r"^wait timeout after 200ms, keys: \S*empty"):
+            store.queue_pop("empty")
+        assert time.monotonic() - started < 10 * CLIENT_TIMEOUT
+
+    def test_queue_pop_woken_by_push_of_other_client(self, store: Store, client: Store) -> None:
+        pusher = later(SHORT, lambda: client.queue_push("work", "job"))
+        assert store.queue_pop("work") == b"job"
+        pusher.join(10)
+        assert store.queue_len("work") == 0
+
+    def test_queue_items_go_to_one_popper_each(self, store: Store, spawn: Callable[[], Any]) -> None:
+        """Poppers in other processes, blocked before the pushes: every item is taken exactly
+        once (a pop is atomic), and each popper is woken by pushes."""
+        peers, each = [spawn() for _ in range(3)], 8
+        for peer in peers:
+            peer.wait_ready()
+        for peer in peers:
+            peer.request("pop_many", "jobs", each)
+        items = [f"job-{n}".encode() for n in range(len(peers) * each)]
+        for item in items:
+            store.queue_push("jobs", item)
+        popped = [item for peer in peers for item in peer.reply()]
+        assert sorted(popped) == sorted(items)
+        assert store.queue_len("jobs") == 0
+
+    def test_queue_in_a_key_written_by_set_is_refused(self, store: Store) -> None:
+        store.set("plain", "not a queue")
+        for call in (lambda: store.queue_push("plain", "x"), lambda: store.queue_pop("plain"),
+                     lambda: store.queue_len("plain")):
+            with pytest.raises(StoreValueError, match="plain' holds a value that is not a queue"):
+                call()
+        assert store.get("plain") == b"not a queue"
+
+    def test_prefix_store_queues_are_apart(self, store: Store) -> None:
+        one, two = PrefixStore("one", store), PrefixStore("two", store)
+        one.queue_push("q", "for one")
+        assert two.queue_len("q") == 0
+        assert store.queue_len("q") == 0
+        assert one.queue_pop("q") == b"for one"
 
     # -- listing ----------------------------------------------------------------------------
     def test_list_and_count_keys(self, store: Store) -> None:

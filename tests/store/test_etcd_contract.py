@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from store_contract import StoreContract
@@ -49,6 +49,15 @@ class EtcdStoreFactory:
 
     def child_spec(self) -> dict[str, Any]:
         return {"factory": "rdzv.store:EtcdStore", "kwargs": self.kwargs}
+
+    def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
+        endpoint = self.kwargs["endpoints"]
+        return [
+            (lambda: EtcdStore("~:2379"), ValueError, "The hostname of the rendezvous endpoint '~:2379'"),
+            (lambda: EtcdStore("h:"), ValueError, "The port number of the rendezvous endpoint 'h:'"),
+            (lambda: EtcdStore(endpoint, prefix=None), TypeError, "prefix must be str"),  # type: ignore[arg-type]
+            (lambda: EtcdStore(endpoint, timeout=-1), ValueError, "timeout must be >= 0"),
+        ]
 
     def close(self) -> None:
         for client in self.clients:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from store_contract import StoreContract, eventually
@@ -31,6 +33,18 @@ class FileStoreFactory:
 
     def child_spec(self) -> dict[str, Any]:
         return {"factory": "rdzv.store:FileStore", "kwargs": {"file_name": str(self.path), **self.options}}
+
+    def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
+        path = self.path
+        return [
+            (lambda: FileStore(""), ValueError, "FileStore needs a file name"),
+            (lambda: FileStore(None), TypeError, "NoneType"),  # type: ignore[arg-type]
+            (lambda: FileStore(path, 0), ValueError, "world_size must be a positive int or -1"),
+            (lambda: FileStore(path, -2), ValueError, "world_size must be a positive int or -1"),
+            (lambda: FileStore(path, timeout=-1), ValueError, "timeout must be >= 0"),
+            (lambda: FileStore(path, session_ttl=0), ValueError, "session_ttl must be > 0"),
+            (lambda: FileStore(path, compact_bytes=0), ValueError, "compact_bytes must be a positive int"),
+        ]
 
     def close(self) -> None:
         for client in self.clients:
@@ -194,3 +208,30 @@ def test_writer_killed_mid_stream_leaves_a_consistent_store(factory: FileStoreFa
         assert factory.new_client().get("counter") == str(counted + 1).encode()
     finally:
         peer.close()
+
+
+def _heartbeats() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("FileStore heartbeat")}
+
+
+@pytest.mark.parametrize("world_size", [2, -1])
+def test_dropping_the_last_reference_releases_the_store(tmp_path: Path, world_size: int) -> None:
+    """torch-style code never calls close(): dropping a FileStore ends its session (its
+    ephemeral keys go) and its heartbeat thread; once every one of ``world_size`` clients is
+    gone the file is deleted, as torch's FileStore does (world_size -1: the file stays)."""
+    path = tmp_path / "store"
+    before = _heartbeats()
+    first, second = FileStore(path, world_size), FileStore(path, world_size)
+    first.set("mine", "1", ephemeral=True)
+    first.set("kept", "1")
+    started = _heartbeats() - before
+    assert len(started) == 2
+    del first
+    gc.collect()
+    assert second.try_get("mine") is None and second.get("kept") == b"1"
+    eventually(lambda: len(_heartbeats() & started) == 1, 10, "the dropped store's heartbeat ends")
+    assert path.exists()
+    del second
+    gc.collect()
+    eventually(lambda: not _heartbeats() & started, 10, "every heartbeat ends")
+    assert path.exists() == (world_size == -1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from store_contract import StoreContract
@@ -23,6 +23,10 @@ class HashStoreFactory:
 
     def child_spec(self) -> None:
         return None
+
+    def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
+        return [(lambda: HashStore(timeout=-1), ValueError, "timeout must be >= 0"),
+                (lambda: HashStore(timeout="soon"), ValueError, "could not convert")]  # type: ignore[arg-type]
 
     def close(self) -> None:
         for client in self.clients:

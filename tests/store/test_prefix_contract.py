@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from store_contract import StoreContract
 from test_file_contract import FileStoreFactory
 from test_hash_contract import HashStoreFactory
 
-from rdzv.store import PrefixStore, Store
+from rdzv.store import HashStore, PrefixStore, Store
 
 PREFIX = "tenant"
 
@@ -31,6 +31,14 @@ class PrefixedFactory:
     def child_spec(self) -> dict[str, Any] | None:
         spec = self.base.child_spec()
         return None if spec is None else {**spec, "prefix": PREFIX}
+
+    def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
+        """torch's PrefixStore(p, None) raises ValueError("store argument cannot be None")."""
+        return [
+            (lambda: PrefixStore(PREFIX, None), ValueError, "^store argument cannot be None"),  # type: ignore[arg-type]
+            (lambda: PrefixStore(PREFIX, "host:29400"), TypeError, "needs an rdzv store"),  # type: ignore[arg-type]
+            (lambda: PrefixStore(None, HashStore()), TypeError, "prefix must be a str"),  # type: ignore[arg-type]
+        ]
 
 
 class PrefixContract(StoreContract):

@@ -3,11 +3,12 @@ are real child processes with TCPStore clients of their own."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from store_contract import StoreContract
 
+from rdzv.errors import StoreConnectionError
 from rdzv.server import StoreServer
 from rdzv.store import Store, TCPStore
 
@@ -42,6 +43,26 @@ class TCPStoreFactory:
             kwargs["secret"] = self.secret
         return {"factory": "rdzv.store:TCPStore", "kwargs": kwargs}
 
+    def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
+        port = self.server.port  # (reachable: a check that came late would connect and pass)
+        return [
+            (lambda: TCPStore("127.0.0.1", port, world_size=0), ValueError,
+             "TCPStore world size cannot be 0"),
+            (lambda: TCPStore("127.0.0.1", port, world_size=-2), ValueError,
+             "world size must be positive or -1"),
+            (lambda: TCPStore("127.0.0.1", 70000), ValueError,
+             "TCPStore port must be an integer between 0 and 65535, got 70000"),
+            (lambda: TCPStore("127.0.0.1", "29400"), TypeError, "port must be an int, not str"),  # type: ignore[arg-type]
+            (lambda: TCPStore("127.0.0.1", 0), ValueError, "port 0 picks a free port for a master"),
+            (lambda: TCPStore("~", port), ValueError, "host name '~' must be a dot-separated list"),
+            (lambda: TCPStore("dummy.com ", port), ValueError, "host name 'dummy.com ' must be"),
+            (lambda: TCPStore("", port), ValueError, "host name '' must be"),
+            (lambda: TCPStore("127.0.0.1", port, timeout=-1), ValueError, "timeout must be >= 0"),
+            (lambda: TCPStore("127.0.0.1", port, session_ttl=-1), ValueError, "session_ttl"),
+            (lambda: TCPStore("127.0.0.1", port, master_listen_fd=-1), ValueError,
+             "master_listen_fd must be a file descriptor"),
+        ]
+
     def close(self) -> None:
         for client in self.clients:
             client.close()
@@ -74,3 +95,26 @@ class TestTCPStoreDurable(StoreContract):
         factory = TCPStoreFactory(data_dir=tmp_path / "data", fsync="always")
         yield factory
         factory.close()
+
+
+def test_multi_tenant_masters_of_a_port_share_one_server() -> None:
+    """As torch's: in one process, every TCPStore(host, port, is_master=True,
+    multi_tenant=True) of a port uses one server, which stops when the last of them closes;
+    a master without multi_tenant on that port finds the address in use."""
+    first = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=5)
+    port = first.port
+    second = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, timeout=5)
+    try:
+        assert second.server is first.server
+        first.set("k", "from first")
+        assert second.get("k") == b"from first"
+        with pytest.raises(OSError, match="Address already in use"):
+            TCPStore("127.0.0.1", port, is_master=True, timeout=5)
+        first.close()
+        second.set("k", "still served")
+        assert second.get("k") == b"still served"
+    finally:
+        first.close()
+        second.close()
+    with pytest.raises(StoreConnectionError, match="connection refused"):
+        TCPStore("127.0.0.1", port, timeout=0.5)

@@ -9,7 +9,7 @@ an adapter of their own over a TCPStore client.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
@@ -89,6 +89,17 @@ class C10dView(Store):
     def append(self, key: str, value: Value) -> None:
         self.c10d.append(check_key(key), to_bytes(value))
 
+    # torch's C++ trampoline of a Python store forwards no queue call (a c10d PrefixStore over
+    # any Python store raises NotImplementedError): the queues are the adapter's own methods.
+    def queue_push(self, key: str, value: Value) -> None:
+        self.adapter.queue_push(self._k(key), value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self.adapter.queue_pop(self._k(key), block)
+
+    def queue_len(self, key: str) -> int:
+        return self.adapter.queue_len(self._k(key))
+
     def try_get(self, key: str) -> bytes | None:
         return self.adapter.try_get(self._k(key))
 
@@ -122,7 +133,16 @@ class AdapterFactory:
 
     def new_client(self) -> Store:
         adapter = TorchStore(self.base.new_client())
-        return C10dView(adapter) if self.through_c10d else adapter
+        client = C10dView(adapter) if self.through_c10d else adapter
+        client.raises_torch_errors = True  # type: ignore[attr-defined]  # (see the contract)
+        return client
+
+    def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
+        return [
+            (lambda: TorchStore(None), TypeError, "TorchStore wraps an rdzv store"),  # type: ignore[arg-type]
+            (lambda: TorchStore(dist.HashStore()), TypeError, "torch's own stores need no adapter"),
+            *self.base.bad_constructions(),
+        ]
 
     def child_spec(self) -> dict[str, Any] | None:
         spec = self.base.child_spec()

@@ -16,6 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .._address import parse_endpoint
+from ..errors import RendezvousParameterError
+from ..rendezvous._params import backend_spec
+
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f", ""})
 STREAMS = {"0": frozenset(), "1": frozenset({"stdout"}), "2": frozenset({"stderr"}),
@@ -23,6 +27,7 @@ STREAMS = {"0": frozenset(), "1": frozenset({"stdout"}), "2": frozenset({"stderr
 STATIC_BACKEND = "static"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
+ENDPOINT_EXAMPLES = {"file": "/shared/rdzv", "etcd": "HOST:2379"}
 
 
 class ConfigError(ValueError):
@@ -245,16 +250,24 @@ def parse_streams(raw: str, source: str) -> StreamChoice:
 
 
 def parse_rdzv_conf(raw: str, source: str = "--rdzv-conf") -> dict[str, str]:
-    """``key=value,key=value`` as a dict."""
+    """``key=value,key=value`` as a dict; as torch's, an empty item or value is an error."""
     conf: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in str(raw).split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(source, f"{item!r} is not key=value; e.g. "
-                                      f"--rdzv-conf join_timeout=60,last_call_timeout=5")
-        if key.strip() in conf:
-            raise ConfigError(source, f"option {key.strip()!r} is given twice")
-        conf[key.strip()] = value.strip()
+    text = str(raw).strip()
+    if not text:
+        return conf
+    example = "e.g. --rdzv-conf join_timeout=60,last_call_timeout=5"
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not key:
+            raise ConfigError(source, "The rendezvous configuration string must be in format "
+                                      f"<key1>=<value1>,...,<keyN>=<valueN>; got {raw!r} (an "
+                                      f"item without a key); {example}")
+        if not sep or not value:
+            raise ConfigError(source, f"The rendezvous configuration option '{key}' must have a "
+                                      f"value specified; got {item.strip()!r}: give key=value, {example}")
+        if key in conf:
+            raise ConfigError(source, f"option {key!r} is given twice")
+        conf[key] = value
     return conf
 
 
@@ -334,10 +347,16 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         raise ConfigError(source(static_flags[0]), f"is for static jobs but the rendezvous "
                                                    f"backend is {backend}; drop it (the "
                                                    "rendezvous assigns ranks and the master)")
-    elif not endpoint and backend in ("tcp", "file", "etcd"):
+    elif not endpoint and backend in ("file", "etcd"):
         raise ConfigError("--rdzv-endpoint", f"the {backend} backend needs an endpoint, e.g. "
-                                             "--rdzv-endpoint HOST:29400 (or use --standalone "
-                                             "for a single node)")
+                                             f"--rdzv-endpoint {ENDPOINT_EXAMPLES[backend]} (or "
+                                             "use --standalone for a single node)")
+    elif backend == "tcp":
+        try:  # (as torch's c10d: empty is localhost:29400, a missing port 29400)
+            host, port = parse_endpoint(endpoint, backend_spec("tcp").default_port)  # type: ignore[union-attr]
+        except RendezvousParameterError as exc:
+            raise ConfigError(source("rdzv_endpoint"), str(exc)) from None
+        endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,

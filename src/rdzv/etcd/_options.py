@@ -13,6 +13,9 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
+from .._address import parse_endpoint
+from ..errors import RendezvousParameterError
+
 DEFAULT_PORT = 2379
 
 _ALIASES = {
@@ -43,6 +46,9 @@ def parse_endpoints(
     for raw in items:
         item = raw.strip().rstrip("/")
         if not item:
+            if len(items) > 1:
+                raise ValueError(f"etcd endpoints {spec!r} list an empty endpoint (no host): "
+                                 "remove the extra comma")
             continue
         scheme, sep, rest = item.partition("://")
         if sep:
@@ -68,18 +74,15 @@ def parse_endpoints(
 def _host_port(raw: str, rest: str) -> str:
     if "/" in rest:
         raise ValueError(f"etcd endpoint {raw!r} has a path: give only host[:port]")
-    if rest.startswith("["):  # [::1]:2379
-        host, _, port = rest[1:].partition("]")
-        port = port.lstrip(":")
-        host = f"[{host}]"
-    else:
-        host, _, port = rest.rpartition(":") if ":" in rest else (rest, "", "")
-    if not host:
+    if not rest.strip():
         raise ValueError(f"etcd endpoint {raw!r} has no host")
-    if port:
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"etcd endpoint {raw!r}: port {port!r} is not a number in 1..65535")
-    return f"{host}:{port or DEFAULT_PORT}"
+    try:
+        host, port = parse_endpoint(rest, DEFAULT_PORT)
+    except RendezvousParameterError as exc:
+        raise ValueError(f"etcd endpoint {raw!r}: {exc}") from None
+    if not port:
+        raise ValueError(f"etcd endpoint {raw!r}: port 0 is not a number in 1..65535")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True)

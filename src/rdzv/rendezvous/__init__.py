@@ -6,6 +6,7 @@ when used. See ``docs/rendezvous.md`` for the URL forms and each backend's optio
 """
 
 from ..errors import (
+    RendezvousBackendError,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
@@ -32,6 +33,7 @@ from ._registry import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "RendezvousBackendError",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",

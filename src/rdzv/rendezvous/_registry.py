@@ -19,7 +19,8 @@ import threading
 from typing import Any, Callable, Mapping, Union
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
-from ..errors import RendezvousParameterError
+from .._address import parse_endpoint
+from ..errors import RendezvousBackendError, RendezvousParameterError
 from ._api import RendezvousHandler, RendezvousParameters
 from ._params import RENAMED_PARAMETERS, backend_spec
 
@@ -143,6 +144,12 @@ class RendezvousHandlerRegistry:
             raise TypeError(
                 f"The creator of rendezvous backend '{params.backend}' returned "
                 f"{type(handler).__name__}, not a RendezvousHandler."
+            )
+        if handler.get_backend() != params.backend:
+            raise RendezvousBackendError(
+                f"The rendezvous backend '{handler.get_backend()}' does not match the requested "
+                f"backend '{params.backend}'. The creator registered as '{params.backend}' must "
+                "return a handler whose get_backend() is that name."
             )
         return handler
 
@@ -269,14 +276,14 @@ def _check_host_ports(url: str, backend: str, endpoint: str) -> None:
     if not endpoint:
         raise _url_error(url, backend, "the HOST:PORT endpoint is missing")
     for host_port in endpoint.split(","):
-        if host_port.startswith("["):
-            host, _, rest = host_port[1:].partition("]")
-            port = rest[1:] if rest.startswith(":") else ("" if not rest else "x")
-        else:
-            host, _, port = host_port.partition(":")
-            port = port if ":" not in port else "x"
-        if not host or (port and not (port.isdigit() and 0 < int(port) < 65536)):
-            raise _url_error(url, backend, f"{host_port!r} is not a HOST:PORT endpoint")
+        try:
+            if not host_port:
+                raise RendezvousParameterError("an endpoint in the list is empty")
+            if host_port.count(":") > 1 and not host_port.startswith("["):
+                raise RendezvousParameterError("an IPv6 address in a URL goes in brackets")
+            parse_endpoint(host_port, 0)
+        except RendezvousParameterError as exc:
+            raise _url_error(url, backend, f"{host_port!r} is not a HOST:PORT endpoint ({exc})") from None
 
 
 def _node_counts(url: str, backend: str, options: dict[str, Any]) -> tuple[int, int]:

@@ -17,6 +17,7 @@ import threading
 import time
 from datetime import timedelta
 
+from .._address import parse_endpoint
 from ..errors import (
     RendezvousParameterError,
     RendezvousClosedError,
@@ -38,18 +39,18 @@ _CONNECT_RETRY_MAX_SLEEP = 0.5
 
 def parse_host_port(endpoint: str, backend: str = "static") -> tuple[str, int]:
     """``host:port`` or ``[ipv6]:port`` as (host, port); ValueError with an example if not."""
-    text = endpoint.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
+    try:
+        host, port = parse_endpoint(endpoint, None)
+    except RendezvousParameterError as exc:
+        problem = f" ({exc})"
     else:
-        host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RendezvousParameterError(
-            f"The endpoint of the '{backend}' rendezvous backend must be the master's "
-            f"HOST:PORT, e.g. '10.0.0.1:29400', got {endpoint!r}."
-        )
-    return host, int(port)
+        if port:
+            return host, port
+        problem = " (port 0 would leave the other nodes without the master's port)"
+    raise RendezvousParameterError(
+        f"The endpoint of the '{backend}' rendezvous backend must be the master's "
+        f"HOST:PORT, e.g. '10.0.0.1:29400', got {endpoint!r}{problem}."
+    )
 
 
 class StaticRendezvousHandler(RendezvousHandler):

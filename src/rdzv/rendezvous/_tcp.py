@@ -19,6 +19,7 @@ import logging
 import socket
 from typing import Callable
 
+from .._address import parse_endpoint
 from ..errors import StoreConnectionError
 from ..server import _auth
 from ..store._tcp import TCPStore
@@ -30,21 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port``; a missing port is 29400) as (host, port)."""
-    default = backend_spec("tcp").default_port  # type: ignore[union-attr]
-    text = endpoint.strip()
-    if not text:
-        raise ValueError("the tcp rendezvous backend needs an endpoint HOST:PORT, e.g. 10.0.0.1:29400")
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    else:
-        host, _, port = text.rpartition(":") if text.count(":") == 1 else (text, "", "")
-    if not port:
-        return host, int(default or 29400)
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"the port of the tcp rendezvous endpoint {endpoint!r} must be 1-65535")
-    return host, int(port)
+    """``host:port`` (``[v6]:port``) as (host, port): a missing port is 29400 and an empty
+    endpoint ``localhost:29400``, as torch's c10d backend takes them."""
+    return parse_endpoint(endpoint, backend_spec("tcp").default_port)  # type: ignore[union-attr]
 
 
 def is_local_host(host: str) -> bool:

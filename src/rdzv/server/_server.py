@@ -21,6 +21,7 @@ import socket
 import threading
 from typing import Any
 
+from .._address import check_host, check_port
 from ..errors import StoreError
 from ..store._state import KVState
 from . import _auth
@@ -132,6 +133,9 @@ class StoreServer:
         max_frame_size: int = P.DEFAULT_MAX_FRAME_SIZE,
         sock: socket.socket | None = None,
     ) -> None:
+        if host:  # (None or "": every interface)
+            check_host(host, "store server host")
+        check_port(port, "store server port")
         if fsync not in ("always", "never"):
             raise ValueError(f"fsync must be 'always' or 'never', not {fsync!r}")
         if not 1024 <= max_frame_size <= 0xFFFFFFFF:

@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import ClassVar, Iterable, Iterator, Sequence, Union
 
 from ..errors import StoreTimeoutError
+from . import _queue
 
 Value = Union[str, bytes, bytearray, memoryview]
 Timeout = Union[float, int, timedelta, None]
@@ -97,10 +98,16 @@ def to_seconds(timeout: Timeout, default: float) -> float:
 
 
 def timeout_error(keys: Sequence[str], seconds: float) -> StoreTimeoutError:
-    """The error raised when blocking on ``keys`` lasted ``seconds`` without success."""
-    shown = ", ".join(repr(k) for k in keys[:5]) + (" ..." if len(keys) > 5 else "")
+    """The error raised when blocking on ``keys`` lasted ``seconds`` without success.
+
+    Its message starts with torch's words (``wait timeout after 300000ms, keys: ...``), so code
+    that matches torch's message matches rdzv's too.
+    """
+    shown = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
     return StoreTimeoutError(
-        f"timed out after {seconds:g} s waiting for key(s) {shown} to be set", tuple(keys)
+        f"wait timeout after {seconds * 1000:.0f}ms, keys: {shown} (waited {seconds:g} s; "
+        "raise the store's timeout, or check that the writer runs)",
+        tuple(keys),
     )
 
 
@@ -189,6 +196,20 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def append(self, key: str, value: Value) -> None:
         """Append ``value`` to the value of ``key`` (a missing key is created)."""
+
+    # -- torch's queues (see :mod:`._queue`) ------------------------------------------------------
+    def queue_push(self, key: str, value: Value) -> None:
+        """Append ``value`` to the queue at ``key`` (its value holds the queue: do not ``set`` it)."""
+        _queue.push(self, check_key(key), to_bytes(value))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Take the first item of the queue at ``key``. ``block``: wait for one up to
+        :attr:`timeout` (then StoreTimeoutError), else raise QueueEmptyError if it is empty."""
+        return _queue.pop(self, check_key(key), bool(block))
+
+    def queue_len(self, key: str) -> int:
+        """How many items the queue at ``key`` holds (0 if it does not exist)."""
+        return _queue.length(self, check_key(key))
 
     # -- rdzv's extensions ----------------------------------------------------------------------
     @abc.abstractmethod

@@ -18,6 +18,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -58,6 +59,9 @@ DEFAULT_COMPACT_BYTES = 1 << 20
 LOCK_MIN_WAIT = 10.0
 """Seconds a call waits at least for the file lock, however short its own timeout."""
 
+_in_call = threading.local()
+"""``depth``: how many FileStore calls the current thread is inside (holding a file lock)."""
+
 _process_locks: dict[str, threading.RLock] = {}
 _process_locks_guard = threading.Lock()
 
@@ -66,6 +70,18 @@ def _process_lock(file_name: str) -> threading.RLock:
     """The lock that orders this process's clients of ``file_name`` (flock alone may not)."""
     with _process_locks_guard:
         return _process_locks.setdefault(file_name, threading.RLock())
+
+
+def _heartbeat_loop(ref: "weakref.ref[FileStore]", stop: threading.Event, interval: float) -> None:
+    """The heartbeat thread of a FileStore: a beat every ``interval`` (jittered) until ``stop``
+    is set or the store is collected. It holds the store only during a beat, so that dropping
+    the last reference releases it (``FileStore.__del__``)."""
+    while not stop.wait(interval * random.uniform(0.8, 1.0)):
+        store = ref()
+        if store is None:
+            return
+        store._beat()
+        del store
 
 
 def _sleep_backoff(delay: float, deadline: float) -> float:
@@ -95,11 +111,16 @@ class FileStore(Store):
         compact_bytes: int = DEFAULT_COMPACT_BYTES,
     ) -> None:
         super().__init__(timeout)
-        if not isinstance(world_size, int) or world_size == 0 or world_size < -1:
+        path = os.fspath(file_name)  # (TypeError for what is not a path)
+        if not path:
+            raise ValueError("FileStore needs a file name, e.g. FileStore('/shared/job.store')")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size == 0 or world_size < -1:
             raise ValueError(f"world_size must be a positive int or -1 (unknown), got {world_size!r}")
         if not session_ttl > 0:
             raise ValueError(f"session_ttl must be > 0 seconds, got {session_ttl!r}")
-        self.file_name = os.path.realpath(os.fspath(file_name))
+        if isinstance(compact_bytes, bool) or not isinstance(compact_bytes, int) or compact_bytes < 1:
+            raise ValueError(f"compact_bytes must be a positive int, got {compact_bytes!r}")
+        self.file_name = os.path.realpath(path)
         self.world_size = world_size
         self._session_ttl = float(session_ttl)
         self._compact_bytes = compact_bytes
@@ -109,7 +130,7 @@ class FileStore(Store):
         self._header = Header(0, 0, 0)
         self._state = KVState()
         self._last_session = 0
-        self._closed = False
+        self._closed = True  # (until the session is open: nothing for close() or __del__ yet)
         self._probe = LivenessProbe(self.file_name)
         try:
             self._session, self._session_file = self._open_session()
@@ -118,10 +139,34 @@ class FileStore(Store):
                 os.close(self._fd)
             raise
         self._stop = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name=f"FileStore heartbeat {self._session}", daemon=True
+        self._heartbeat = threading.Thread(  # (holds no reference to self: see __del__)
+            target=_heartbeat_loop,
+            args=(weakref.ref(self), self._stop, self._session_ttl / 3),
+            name=f"FileStore heartbeat {self._session}",
+            daemon=True,
         )
         self._heartbeat.start()
+        self._closed = False
+
+    def __del__(self) -> None:
+        """The last reference is gone and close() was never called (torch-style code does not
+        call it): end the session, stop the heartbeat and, if this was the last of
+        ``world_size`` clients, delete the file, as torch's FileStore does in its destructor."""
+        if getattr(self, "_closed", True):
+            return  # closed, or __init__ failed before the session was opened
+        if getattr(_in_call, "depth", 0):
+            # Collected inside a FileStore call of this thread, which holds a file lock that
+            # closing would wait for: close from a thread of its own (self lives on in it).
+            try:
+                threading.Thread(target=self.close, name="FileStore close", daemon=True).start()
+                return
+            except RuntimeError:  # (no new threads at interpreter shutdown)
+                pass
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - nothing may escape a finalizer
+            logger.warning("FileStore %s: closing the unreferenced store failed: %s",
+                           getattr(self, "file_name", "?"), exc)
 
     # -- the file: open, lock, catch up, append ----------------------------------------------
     def _open(self) -> int:
@@ -165,6 +210,7 @@ class FileStore(Store):
             raise StoreTimeoutError(
                 f"FileStore {self.file_name}: another thread of this process held it {patience:g} s"
             )
+        _in_call.depth = getattr(_in_call, "depth", 0) + 1
         try:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             while True:
@@ -183,6 +229,7 @@ class FileStore(Store):
                 os.close(fd)  # replaced by a compacted file, or deleted: move to the new one
                 self._fd = None
         finally:
+            _in_call.depth -= 1
             self._lock.release()
 
     def _catch_up(self, fd: int, exclusive: bool) -> None:
@@ -306,14 +353,13 @@ class FileStore(Store):
                 session_file.remove()
             raise
 
-    def _heartbeat_loop(self) -> None:
-        interval = self._session_ttl / 3
-        while not self._stop.wait(interval * random.uniform(0.8, 1.0)):
-            try:
-                self._session_file.touch()
-                self._remove_dead_sessions()
-            except Exception:  # keep beating: a transient filesystem error must not end the session
-                logger.warning("FileStore %s: heartbeat failed", self.file_name, exc_info=True)
+    def _beat(self) -> None:
+        """One heartbeat: touch this client's session file, remove the dead clients' sessions."""
+        try:
+            self._session_file.touch()
+            self._remove_dead_sessions()
+        except Exception:  # keep beating: a transient filesystem error must not end the session
+            logger.warning("FileStore %s: heartbeat failed", self.file_name, exc_info=True)
 
     def _remove_dead_sessions(self) -> None:
         with self._locked(exclusive=False) as state:
@@ -342,7 +388,8 @@ class FileStore(Store):
                 return
             self._closed = True
         self._stop.set()
-        self._heartbeat.join(timeout=self._session_ttl)
+        if threading.current_thread() is not self._heartbeat:  # (else collected by its beat)
+            self._heartbeat.join(timeout=self._session_ttl)
         deleted = False
         try:
             self._remove_dead_sessions()

@@ -16,6 +16,19 @@ class PrefixStore(Store):
     """
 
     def __init__(self, prefix: str, store: Store) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"the PrefixStore prefix must be a str, not {type(prefix).__name__}")
+        if store is None:  # (torch's words and class)
+            raise ValueError(
+                f"store argument cannot be None: PrefixStore({prefix!r}, store) puts its keys in "
+                f"another store, e.g. PrefixStore({prefix!r}, TCPStore(host, port))"
+            )
+        if not isinstance(store, Store):
+            raise TypeError(
+                f"PrefixStore({prefix!r}, store) needs an rdzv store (rdzv.store.Store) to put "
+                f"the keys in, got {type(store).__name__}: pass e.g. PrefixStore({prefix!r}, "
+                "TCPStore(host, port))"
+            )
         super().__init__(store.timeout)
         self.prefix = prefix
         self.underlying_store = store

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import socket
 import struct
 import threading
 import time
@@ -47,6 +46,8 @@ from ._base import (
     to_bytes,
     to_seconds,
 )
+from ._embedded import check_arguments, start_server, stop_server
+from ._keepalive import KEEPALIVE
 from ._tcp_conn import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, StoreConnection, log
 
 __all__ = ["INIT_KEY", "MAX_UNACKED_BYTES", "MAX_UNACKED_WRITES", "TCPStore"]
@@ -89,8 +90,10 @@ class TCPStore(StoreConnection, Store):
     The arguments are torch's: ``is_master=True`` starts a :class:`~rdzv.server.StoreServer` in
     this process (port 0 picks a free port; :attr:`port` tells it), and with ``world_size`` (and
     ``wait_for_workers``) every client counts itself in and the master waits for all of them.
-    ``multi_tenant`` and ``use_libuv`` are accepted and ignored (the server is always shared);
-    ``master_listen_fd`` is a listening socket the embedded server takes over.
+    With ``multi_tenant=True`` the masters of one port in a process share one server (as
+    torch's; see :mod:`._embedded`); ``use_libuv`` is accepted and ignored;
+    ``master_listen_fd`` is a listening socket the embedded server takes over. Malformed
+    arguments (world size 0, a port outside 0-65535, a malformed host name) fail at once.
 
     ``secret`` (default: ``$RDZV_STORE_SECRET``) authenticates this client to the server and the
     server to it. ``session_ttl`` is how long the server keeps this client's ephemeral keys after
@@ -115,6 +118,9 @@ class TCPStore(StoreConnection, Store):
         session_ttl: float = DEFAULT_SESSION_TTL,
     ) -> None:
         super().__init__(timeout)
+        host_name, port, world_size = check_arguments(
+            host_name, port, world_size, is_master, master_listen_fd
+        )
         session_ttl = float(session_ttl)
         if not session_ttl >= 0:
             raise ValueError(f"session_ttl must be >= 0, got {session_ttl}")
@@ -123,25 +129,20 @@ class TCPStore(StoreConnection, Store):
         self._finalizer: weakref.finalize | None = None
         try:
             if is_master:
-                from ..server import StoreServer
-
-                sock = None
-                if master_listen_fd is not None:
-                    sock = socket.socket(fileno=master_listen_fd)
-                server = StoreServer(
-                    _bind_host(host_name), self._port, secret=self._secret, sock=sock
-                ).start()
+                server = start_server(
+                    _bind_host(host_name), self._port, self._secret, master_listen_fd, multi_tenant
+                )
                 self._server = server
                 self._port = server.port
-                self._finalizer = weakref.finalize(self, server.stop)
+                self._finalizer = weakref.finalize(self, stop_server, server)
             deadline = _monotonic() + self._timeout
             with self._lock:
                 self._connect(deadline, None)
-            _KEEPALIVE.register(self)
+            KEEPALIVE.register(self)
             if world_size is not None and wait_for_workers:
                 self.add(INIT_KEY, 1)
                 if is_master:
-                    self._wait_for_workers(int(world_size), deadline)
+                    self._wait_for_workers(world_size, deadline)
         except BaseException:
             self.close()
             raise
@@ -456,7 +457,7 @@ class TCPStore(StoreConnection, Store):
                         pass
                     self._disconnect()
                 self._close_stale()
-        _KEEPALIVE.unregister(self)
+        KEEPALIVE.unregister(self)
         if self._finalizer is not None:
             self._finalizer()
 
@@ -484,56 +485,9 @@ class TCPStore(StoreConnection, Store):
             remaining = deadline - _monotonic()
             if remaining <= 0:
                 raise StoreTimeoutError(
-                    f"timed out after {self._timeout:g} s waiting for {world_size} clients to join "
-                    f"the store at {self._host}:{self._port}: {joined}/{world_size} joined",
+                    f"Timed out after {self._timeout:g} seconds waiting for clients. "
+                    f"{joined}/{world_size} clients joined. (the store at {self._host}:"
+                    f"{self._port}: start the other {world_size - joined}, or raise the timeout)",
                     (INIT_KEY,),
                 )
             self.watch(INIT_KEY, rev, remaining)
-
-
-class _Keepalive:
-    """One thread per process pinging the idle connections of every TCPStore."""
-
-    def __init__(self) -> None:
-        self._stores: "weakref.WeakSet[TCPStore]" = weakref.WeakSet()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._wake_at = 0.0
-        """When the thread wakes next: a store registered with an earlier ping due wakes it."""
-
-    def register(self, store: TCPStore) -> None:
-        with self._cond:
-            self._stores.add(store)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="rdzv-store-keepalive", daemon=True)
-                self._thread.start()
-            elif store._keepalive_due() < self._wake_at:
-                self._cond.notify()  # not for every store: each wake-up visits all of them
-
-    def unregister(self, store: TCPStore) -> None:
-        with self._cond:
-            self._stores.discard(store)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                stores = list(self._stores)
-            now = _monotonic()
-            next_due = now + 1.0
-            for store in stores:
-                due = store._keepalive_due()
-                if due <= now:
-                    store._keepalive()
-                    due = store._keepalive_due()
-                    if due <= now:  # busy: its own call is on the wire
-                        due = now + 0.05
-                if due < next_due:
-                    next_due = due
-            del stores
-            with self._cond:
-                self._wake_at = next_due
-                self._cond.wait(max(0.005, next_due - _monotonic()))
-
-
-_KEEPALIVE = _Keepalive()
-

@@ -58,7 +58,8 @@ def _describe(exc: BaseException | None, reply_timeout: float | None = None) -> 
     if isinstance(exc, (BlockingIOError, socket.timeout)):
         return f"no reply within {reply_timeout:g} s" if reply_timeout else "timed out"
     if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the host name ({exc.strerror})"
+        return (f"cannot resolve the host name ({exc.strerror}; a well-formed name is retried "
+                "until the timeout, as a new pod's DNS name can take a while to appear)")
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.lower()
     return str(exc) or type(exc).__name__
@@ -404,6 +405,12 @@ class StoreConnection:
                     (self._host, self._port), timeout=max(0.05, min(remaining, HANDSHAKE_TIMEOUT))
                 )
             except OSError as exc:
+                if isinstance(exc, socket.gaierror) and not isinstance(last, socket.gaierror):
+                    log.warning(
+                        "cannot resolve the store server's host name %r yet (%s); retrying for "
+                        "up to %.0f s more (a new pod's DNS name can take a while to appear)",
+                        self._host, exc.strerror, max(0.0, deadline - _monotonic()),
+                    )
                 last = exc
             else:
                 try:

@@ -7,6 +7,11 @@ C++ names ``deleteKey`` and ``getNumKeys``. :class:`TorchStore` answers all of t
 names torch code uses, and keeps rdzv's own extensions (``try_get``, ``list_keys``, ``watch``,
 ephemeral keys...) so that it is still an rdzv Store as well.
 
+Errors are torch's as well as rdzv's (:mod:`._errors`): a timeout is a
+``torch.distributed.DistStoreError`` and an :class:`~rdzv.errors.StoreTimeoutError`. The
+queues (``queue_push``, ``queue_pop``, ``queue_len``) are rdzv's (:mod:`rdzv.store._queue`), run
+through the adapter (a blocking pop waits for torch's timeout).
+
 The blocking calls use the timeout torch keeps in C++ (``TorchStore.timeout``), which torch's
 own code may change through a ``PrefixStore`` without calling Python; ``set_timeout`` from Python
 also sets the wrapped store's timeout.
@@ -16,12 +21,13 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import ContextManager, Sequence
+from typing import ContextManager, Sequence, cast
 
 import torch.distributed as dist
 
-from ..store import Store, StoreCapabilities
-from ..store._base import Reads, Timeout, Value, check_key, to_seconds
+from ..store import Store, StoreCapabilities, _queue
+from ..store._base import Reads, Timeout, Value, check_key, to_bytes, to_seconds
+from ._errors import torch_errors
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,11 @@ class TorchStore(dist.Store):
     def capabilities(self) -> StoreCapabilities:
         return self._store.capabilities
 
+    def _as_queue_store(self) -> Store:
+        """This adapter as the rdzv Store it is registered as (for the queue operations, which
+        then use torch's timeout, the C++ property)."""
+        return cast(Store, self)
+
     def _seconds(self) -> float:
         return self.timeout.total_seconds()  # type: ignore[attr-defined]  # torch's C++ property
 
@@ -73,32 +84,41 @@ class TorchStore(dist.Store):
         self._store.set_timeout(seconds)
 
     # -- torch's Store API (also called from C++) -----------------------------------------------
+    @torch_errors
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:  # type: ignore[override]
         self._store.set(key, value, ephemeral=ephemeral)
 
+    @torch_errors
     def get(self, key: str) -> bytes:  # type: ignore[override]
         return self._store._get_blocking([check_key(key)], self._seconds())[0]
 
+    @torch_errors
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # type: ignore[override]
         return self._store._get_blocking([check_key(k) for k in keys], self._seconds())
 
+    @torch_errors
     def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:  # type: ignore[override]
         self._store.wait(keys, to_seconds(timeout, self._seconds()))
 
+    @torch_errors
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
         return self._store.add(key, amount)
 
+    @torch_errors
     def compare_set(  # type: ignore[override]
         self, key: str, expected: Value, desired: Value, *, ephemeral: bool = False
     ) -> bytes:
         return self._store.compare_set(key, expected, desired, ephemeral=ephemeral)
 
+    @torch_errors
     def check(self, keys: Sequence[str]) -> bool:  # type: ignore[override]
         return self._store.check(keys)
 
+    @torch_errors
     def delete_key(self, key: str) -> bool:  # type: ignore[override]
         return self._store.delete_key(key)
 
+    @torch_errors
     def num_keys(self) -> int:  # type: ignore[override]
         return self._store.num_keys()
 
@@ -107,13 +127,27 @@ class TorchStore(dist.Store):
     getNumKeys = num_keys
     """The name torch's C++ trampoline calls."""
 
+    @torch_errors
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # type: ignore[override]
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         self._store.multi_set(keys, values)
 
+    @torch_errors
     def append(self, key: str, value: Value) -> None:  # type: ignore[override]
         self._store.append(key, value)
+
+    @torch_errors
+    def queue_push(self, key: str, value: Value) -> None:  # type: ignore[override]
+        _queue.push(self._as_queue_store(), check_key(key), to_bytes(value))
+
+    @torch_errors
+    def queue_pop(self, key: str, block: bool = True) -> bytes:  # type: ignore[override]
+        return _queue.pop(self._as_queue_store(), check_key(key), bool(block))
+
+    @torch_errors
+    def queue_len(self, key: str) -> int:  # type: ignore[override]
+        return _queue.length(self._as_queue_store(), check_key(key))
 
     def has_extended_api(self) -> bool:  # type: ignore[override]
         return True
@@ -126,30 +160,37 @@ class TorchStore(dist.Store):
         return twin
 
     # -- rdzv's extensions ----------------------------------------------------------------------
+    @torch_errors
     def try_get(self, key: str) -> bytes | None:
         return self._store.try_get(key)
 
+    @torch_errors
     def list_keys(self, prefix: str = "") -> dict[str, bytes]:  # type: ignore[override]
         """Every key starting with ``prefix`` and its value (iterating gives the keys, as torch's)."""
         return self._store.list_keys(prefix)
 
+    @torch_errors
     def count_keys(self, prefix: str) -> int:
         return self._store.count_keys(prefix)
 
+    @torch_errors
     def revision(self, path: str = "") -> int:
         return self._store.revision(path)
 
+    @torch_errors
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         return self._store.watch(path, since, to_seconds(timeout, self._seconds()))
 
     def batch(self) -> ContextManager[None]:
         return self._store.batch()
 
+    @torch_errors
     def watch_get(
         self, path: str, since: int, key: str, timeout: Timeout = None
     ) -> tuple[int, bytes | None]:
         return self._store.watch_get(path, since, key, to_seconds(timeout, self._seconds()))
 
+    @torch_errors
     def read_many(
         self,
         keys: Sequence[str] = (),
@@ -159,6 +200,7 @@ class TorchStore(dist.Store):
     ) -> Reads:
         return self._store.read_many(keys, counts, revisions, lists)
 
+    @torch_errors
     def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
         return self._store._get_blocking(keys, timeout)
 
