@@ -30,6 +30,9 @@ def test_every_value_written_is_unique() -> None:
      encode([b"abc"])[:-1],  # an item cut short
      encode([]) + b"\x05\x00",  # a length cut short
      encode([]) + b"\xff\xff\xff\xff"],  # a length past the end
+    # fixed ids: encode() adds random bytes, and every pytest-xdist worker must collect the same
+    ids=["number", "text", "magic only", "magic and nonce", "item cut short",
+         "length cut short", "length past the end"],
 )
 def test_a_value_that_is_not_a_queue_is_refused(value: bytes) -> None:
     with pytest.raises(StoreValueError, match="key 'q' holds a value that is not a queue"):
