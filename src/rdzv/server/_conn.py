@@ -430,7 +430,9 @@ class Conn:
         if greeted.ttl > 0:
             self.arm_ttl(self.last_recv + greeted.ttl)
         self.queue(
-            P.encode_welcome(P.HS_OK, sess.id, resumed, core.max_frame_size, greeted.ttl, proof)
+            P.encode_welcome(
+                P.HS_OK, sess.id, resumed, core.max_frame_size, greeted.ttl, sess.token, proof
+            )
         )
         log.debug("%s: session %d %s", self.peer, sess.id, "resumed" if resumed else "opened")
 

@@ -10,7 +10,9 @@ the loop.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import socket
 from typing import Any, Callable
 
@@ -29,11 +31,13 @@ log = logging.getLogger("rdzv.server")
 class Session:
     """A client's session: its ephemeral keys' owner, and the last write it had applied."""
 
-    __slots__ = ("id", "ttl", "conn", "last_rid", "last_resp", "timer")
+    __slots__ = ("id", "ttl", "token", "conn", "last_rid", "last_resp", "timer")
 
-    def __init__(self, sid: int, ttl: float) -> None:
+    def __init__(self, sid: int, ttl: float, token: bytes) -> None:
         self.id = sid
         self.ttl = ttl
+        self.token = token
+        """The secret its owner resumes it with (empty: recovered without one, not resumable)."""
         self.conn: Conn | None = None
         self.last_rid = 0
         self.last_resp: bytes | None = b""
@@ -75,7 +79,7 @@ class Core(RequestHandlers):
         now = loop.time()
         for sid, ttl in list(state.session_ttls.items()):
             # Recovered from the log: each session gets a fresh window to be resumed.
-            sess = Session(sid, ttl)
+            sess = Session(sid, ttl, state.session_tokens.get(sid, b""))
             last = wal.requests.get(sid) if wal is not None else None
             if last is not None:  # its last write: a resent copy is answered, not applied
                 sess.last_rid, sess.last_resp = last.rid, last.answer
@@ -148,7 +152,20 @@ class Core(RequestHandlers):
 
     # -- sessions --------------------------------------------------------------------------------
     def attach_session(self, conn: "Conn", hello: P.Hello) -> tuple[Session, bool]:
+        """The session of a client that completed its handshake, and whether it was resumed.
+
+        A session is resumed only with its token (compared in constant time); a client that
+        names a session it cannot prove it owns gets a new one, and the owner keeps its own.
+        """
         sess = self.sessions.get(hello.resume_session) if hello.resume_session else None
+        if sess is not None and not (
+            sess.token and hmac.compare_digest(sess.token, hello.resume_token)
+        ):
+            log.warning(
+                "%s asked to resume session %d without its token; it gets a new session "
+                "(the session stays with its owner)", conn.peer, sess.id,
+            )
+            sess = None
         if sess is not None:
             old = sess.conn
             if old is not None and old is not conn:
@@ -160,7 +177,8 @@ class Core(RequestHandlers):
             sess.ttl = hello.ttl
             resumed = True
         else:
-            sess = Session(self.state.open_session(hello.ttl), hello.ttl)
+            token = secrets.token_bytes(P.TOKEN_SIZE)
+            sess = Session(self.state.open_session(hello.ttl, token), hello.ttl, token)
             self.sessions[sess.id] = sess
             resumed = False
         sess.conn = conn

@@ -91,6 +91,8 @@ class StoreConnection:
         self._rbuf = b""
         self._rid = 0
         self._session = 0
+        self._token = b""
+        """The resume token of the session (the proof that it is this client's)."""
         self._had_ephemeral = False
         self._max_frame = P.DEFAULT_MAX_FRAME_SIZE
         self._closed = False
@@ -437,15 +439,22 @@ class StoreConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(16)
         secret = self._secret
-        sock.sendall(P.encode_hello(self._ttl, self._session, nonce, secret is not None))
+        sock.sendall(
+            P.encode_hello(self._ttl, self._session, self._token, nonce, secret is not None)
+        )
         try:
             challenge = P.decode_challenge(self._recv_handshake(sock))
         except P.ProtocolError as exc:
             raise StoreProtocolError(f"{addr} is not an rdzv store server: {exc}") from None
-        if challenge.status == P.HS_VERSION_MISMATCH:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {challenge.message}")
         if challenge.status != P.HS_OK:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {challenge.message}")
+            hint = (
+                " (run the same rdzv version on the server and its clients)"
+                if challenge.status == P.HS_VERSION_MISMATCH
+                else ""
+            )
+            raise StoreProtocolError(
+                f"the store server at {addr} refused this client: {challenge.message}{hint}"
+            )
         if secret is not None and not challenge.auth_required:
             raise StoreAuthenticationError(
                 f"this client has a shared secret but the store server at {addr} requires none; "
@@ -481,6 +490,7 @@ class StoreConnection:
         self._sock = sock
         self._rbuf = b""
         self._session = welcome.session
+        self._token = welcome.token
         self._max_frame = welcome.max_frame_size
         if old and not welcome.resumed:
             log.warning(
