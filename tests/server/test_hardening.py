@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 
 from _raw import Raw, start_server_process, wait_until
 from test_processes import Child
@@ -46,3 +47,68 @@ def test_resuming_another_clients_session_is_refused_and_the_owner_keeps_it() ->
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def _server_memory(pid: int) -> tuple[int, int]:
+    """(resident, peak resident) bytes of process ``pid``."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
+
+
+def test_stalled_uploads_and_clients_that_never_read_stay_within_the_memory_budget() -> None:
+    budget = 160 << 20
+    server, port = start_server_process("--memory-budget", "160M")
+    healthy = TCPStore("127.0.0.1", port, timeout=30)
+    big = os.urandom(4 << 20)
+    healthy.set("big", big)
+    upload = P.encode_set(1, b"upload", bytes(60 << 20))
+    uploaders: list[Raw] = []
+    readers_never: list[Raw] = []
+    threads = []
+
+    def stall(raw: Raw) -> None:  # all of a 60 MiB request but its last byte, then nothing
+        try:
+            raw.send(upload[:-1])
+        except OSError:  # refused: the server closed the connection
+            pass
+
+    try:
+        for _ in range(4):
+            raw = Raw(port, timeout=60)
+            raw.handshake()
+            uploaders.append(raw)
+            thread = threading.Thread(target=stall, args=(raw,), daemon=True)
+            thread.start()
+            threads.append(thread)
+        for _ in range(4):  # 64 gets of a 4 MiB value each, no answer ever read
+            raw = Raw(port, timeout=60)
+            raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            raw.handshake()
+            raw.send(b"".join(P.encode_get(10 + i, b"big", False) for i in range(64)))
+            readers_never.append(raw)
+        peak_rss = 0
+        for i in range(300):  # the healthy client is served, correctly, all along
+            healthy.set(f"healthy/{i}", str(i))
+            assert healthy.get(f"healthy/{i}") == str(i).encode()
+            if i % 50 == 0:
+                assert healthy.get("big") == big
+            peak_rss = max(peak_rss, _server_memory(server.pid)[0])
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads)
+        rss, hwm = _server_memory(server.pid)
+        assert max(peak_rss, rss, hwm) < budget, (peak_rss, rss, hwm, "".join(server.log_lines))  # type: ignore[attr-defined]
+        assert healthy.multi_get([f"healthy/{i}" for i in range(300)]) == [
+            str(i).encode() for i in range(300)
+        ]
+        shed = "is over its memory budget"
+        wait_until(lambda: shed in "".join(server.log_lines), 10, "the shedding logged")  # type: ignore[attr-defined]
+        log = "".join(server.log_lines)  # type: ignore[attr-defined]
+        assert "MiB buffered for" in log and "this connection holds the most" in log, log
+    finally:
+        for raw in uploaders + readers_never:
+            raw.close()
+        healthy.close()
+        server.kill()
+        server.wait()

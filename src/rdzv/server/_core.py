@@ -19,6 +19,7 @@ from typing import Any, Callable
 from ..store._base import DEFAULT_SESSION_TTL
 from ..store._state import KVState
 from . import protocol as P
+from ._budget import MemoryBudget, return_freed_memory
 from ._conn import Conn
 from ._dispatch import RequestHandlers
 from ._loop import EPOLLIN, EventLoop, Timer
@@ -54,6 +55,8 @@ class Core(RequestHandlers):
         wal: Any,
         secret: bytes | None,
         max_frame_size: int,
+        memory_budget: int,
+        memory_base: int = 0,
     ) -> None:
         self.loop = loop
         self.state = state
@@ -64,6 +67,15 @@ class Core(RequestHandlers):
         """Answers pending to a connection beyond which its requests are no longer read."""
         self.out_limit = 2 * self.out_high
         """A connection whose unsent answers exceed this is dropped (it does not read them)."""
+        self.budget: MemoryBudget[Conn] = MemoryBudget(memory_budget, memory_base)
+        if self.budget.for_buffers < self.out_high:
+            raise ValueError(
+                f"a memory budget of {_mib(memory_budget)} leaves {_mib(self.budget.for_buffers)} "
+                f"for client buffers (a quarter is kept in reserve, the server itself takes "
+                f"{_mib(self.budget.base)}): not "
+                f"enough for one request of the maximum frame size ({_mib(max_frame_size)}) and "
+                "its answers; raise the memory budget or lower the maximum frame size"
+            )
         self.rbuf = bytearray(1 << 18)  # every connection reads into this
         self.rview = memoryview(self.rbuf)
         self.conns: set[Conn] = set()
@@ -101,6 +113,43 @@ class Core(RequestHandlers):
         conn = Conn(self, sock, peer)
         self.conns.add(conn)
         self.loop.register(conn.fd, EPOLLIN, conn)
+
+    # -- the memory budget -----------------------------------------------------------------------
+    def shed(self, victims: list[Conn]) -> None:
+        """Drop ``victims``, the largest holders of buffers, to stay within the memory budget."""
+        stats = self.stats()
+        numbers = (
+            f"{_mib(stats['buffered_bytes'])} buffered for {len(self.budget.held)} connection(s) "
+            f"(input {_mib(stats['buffered_input_bytes'])}, output "
+            f"{_mib(stats['buffered_output_bytes'])}), {_mib(self.budget.for_buffers)} allowed "
+            f"(--memory-budget {_mib(self.budget.limit)} less a quarter and the server's own "
+            f"{_mib(self.budget.base)})"
+        )
+        for conn in victims:
+            self.budget.shed += 1
+            why = (
+                f"the store server is over its memory budget ({numbers}) and this connection "
+                f"holds the most: {conn.holds()}"
+            )
+            conn.shed(why)
+        return_freed_memory()
+
+    def stats(self) -> dict[str, int]:
+        """The server's numbers: connections, sessions, keys, and the memory budget's."""
+        budget = self.budget
+        held = list(budget.held)  # (one C call: safe from another thread)
+        output = sum(conn.unsent_size for conn in held)
+        return {
+            "connections": len(self.conns),
+            "sessions": len(self.sessions),
+            "keys": self.state.num_keys(),
+            "memory_budget": budget.limit,
+            "memory_base": budget.base,
+            "buffered_bytes": budget.total,
+            "buffered_input_bytes": max(0, budget.total - output),
+            "buffered_output_bytes": output,
+            "shed_connections": budget.shed,
+        }
 
     # -- committing: log first, then answer ------------------------------------------------
     def commit(self) -> None:
@@ -201,3 +250,7 @@ class Core(RequestHandlers):
         if sess.conn is None and sess.id in self.sessions:
             log.info("session %d was not resumed after the restart; it expires", sess.id)
             self.end_session(sess)
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
