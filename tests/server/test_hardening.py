@@ -11,6 +11,9 @@ import threading
 from _raw import Raw, start_server_process, wait_until
 from test_processes import Child
 
+import pytest
+
+from rdzv.errors import StoreError
 from rdzv.server import protocol as P
 from rdzv.store import TCPStore
 
@@ -110,5 +113,30 @@ def test_stalled_uploads_and_clients_that_never_read_stay_within_the_memory_budg
         for raw in uploaders + readers_never:
             raw.close()
         healthy.close()
+        server.kill()
+        server.wait()
+
+
+def test_a_request_beyond_the_memory_budget_gets_a_clear_error_and_the_rest_goes_on() -> None:
+    server, port = start_server_process("--memory-budget", "160M")
+    stalled = Raw(port, timeout=60)
+    try:
+        stalled.handshake()
+        stalled.send(P.encode_set(1, b"upload", bytes(60 << 20))[:-1])
+        client = TCPStore("127.0.0.1", port, timeout=30)
+        client.set("alive/me", "1", ephemeral=True)
+        session = client.session_id
+        with pytest.raises(StoreError, match=r"set\('large'\).*over its memory budget"):
+            client.set("large", bytes(61 << 20))  # the largest holder now: refused
+            client.flush()
+        client.set("small", "fine")  # the server serves on; the client resumed its session
+        assert client.get("small") == b"fine" and client.try_get("large") is None
+        assert client.session_id == session and client.get("alive/me") == b"1"
+        stalled.send(b"\x00")  # the stalled upload was not shed: it completes
+        assert P.decode_response(stalled.frame()) == (P.STATUS_OK, 1, b"")
+        assert len(client.get("upload")) == 60 << 20
+        client.close()
+    finally:
+        stalled.close()
         server.kill()
         server.wait()

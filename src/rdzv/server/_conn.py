@@ -58,7 +58,7 @@ class Conn(Greeting):
     __slots__ = (
         "core", "sock", "fd", "peer", "last_recv", "chunks", "chunks_len", "need", "deferred",
         "dpos", "out", "out_size", "unsent", "unsent_size", "reading", "dirty", "waiters", "timer_due", "closed",
-        "closing", "held",
+        "closing", "lingering", "held",
     )
 
     def __init__(self, core: "Core", sock: socket.socket, peer: str) -> None:
@@ -95,6 +95,7 @@ class Conn(Greeting):
         self.timer_due = 0.0
         self.closed = False
         self.closing = False
+        self.lingering = False
         self.max_frame = P.HANDSHAKE_MAX_FRAME
         self.timer = core.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
 
@@ -103,7 +104,9 @@ class Conn(Greeting):
         if events & EPOLLOUT:
             self._send_unsent()
         if not self.reading or self.deferred is not None:  # held back, closing, closed, or
-            return  # requests already read wait for their turn
+            if self.lingering:  # requests already read wait for their turn
+                self._discard()
+            return
         try:
             n = self.sock.recv_into(self.core.rbuf, _READ_SIZE)
         except (BlockingIOError, InterruptedError):
@@ -266,7 +269,7 @@ class Conn(Greeting):
                 return
             if sent == len(data):
                 if self.closing:
-                    self.close_now()
+                    self._linger()
                 elif not self.reading:
                     self._resume_reading()
                 return
@@ -308,7 +311,7 @@ class Conn(Greeting):
         if unsent:
             return
         if self.closing:
-            self.close_now()
+            self._linger()
             return
         # The client drained our answers: it is alive even if its requests wait unread (a
         # stopped process reads nothing), so its ttl counts from here.
@@ -366,21 +369,33 @@ class Conn(Greeting):
         return ", ".join(parts) or "nothing"
 
     def shed(self, why: str) -> None:
-        """Drop this connection to keep the server in its memory budget, freeing its buffers."""
-        self.core.budget.update(self, 0)
+        """Drop this connection to keep the server in its memory budget, freeing its buffers.
+
+        Its session is kept for a ttl, for the client to resume; a request it was sending is
+        answered with the error (and not applied), the requests after it are not read."""
+        core = self.core
+        core.budget.update(self, 0)
         self.held = 0
+        sess = self.session
+        if sess is not None and sess.conn is self:
+            self.session = None
+            core.detach_session(sess, _monotonic())
+        rid = 0
+        chunks = self.chunks
+        if chunks is not None and self.chunks_len >= 4 + _HEAD_SIZE and len(chunks[0]) >= 9:
+            rid = _HEAD_unpack_from(chunks[0], 4)[1]  # (assembled below 9 bytes: unnamed)
         self.chunks = None
         self.deferred = None
         if self.unsent or self.closing:  # in the middle of its answers: no error can follow
             log.warning("dropping the connection from %s: %s", self.peer, why)
             self.lost(None)
         else:
-            self.drop(why, P.error(0, P.E_BUSY, why))
+            self.drop(why, P.error(rid, P.E_BUSY, why))
 
     def _watch_events(self) -> None:
         if self.closed:
             return
-        events = (EPOLLIN if self.reading else 0) | (
+        events = (EPOLLIN if self.reading or self.lingering else 0) | (
             EPOLLOUT if self.unsent else 0
         )
         self.core.loop.modify(self.fd, events)
@@ -405,6 +420,28 @@ class Conn(Greeting):
         """Read no more requests; close once the answers queued so far are sent."""
         self.closing = True
         self.reading = False
+
+    def _linger(self) -> None:
+        """The last answers are sent: end this side, and discard what the client still sends
+        until it closes (at most ``CLOSE_TIMEOUT`` after :meth:`drop`): closing with its bytes
+        unread would reset the connection, and the client might lose those last answers."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.lost(None)
+            return
+        self.lingering = True
+        self._watch_events()
+
+    def _discard(self) -> None:
+        try:
+            n = self.sock.recv_into(self.core.rbuf, _READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if n == 0:
+            self.lost(None)
 
     def close_now(self) -> None:
         """Close the socket at once (the answers sent so far stay sent)."""

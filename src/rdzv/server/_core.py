@@ -96,8 +96,7 @@ class Core(RequestHandlers):
             if last is not None:  # its last write: a resent copy is answered, not applied
                 sess.last_rid, sess.last_resp = last.rid, last.answer
             self.sessions[sid] = sess
-            window = ttl if ttl > 0 else DEFAULT_SESSION_TTL
-            sess.timer = loop.call_at(now + window, self._expire_detached, sess)
+            self.detach_session(sess, now)
 
     # -- connections ------------------------------------------------------------------------------
     def accept(self, sock: socket.socket, peer: str) -> None:
@@ -129,7 +128,7 @@ class Core(RequestHandlers):
             self.budget.shed += 1
             why = (
                 f"the store server is over its memory budget ({numbers}) and this connection "
-                f"holds the most: {conn.holds()}"
+                f"holds the most: {conn.holds()}; retry later, or raise the server's --memory-budget"
             )
             conn.shed(why)
         return_freed_memory()
@@ -245,10 +244,17 @@ class Core(RequestHandlers):
         if changed and self.waiters:
             self.wake(changed)
 
+    def detach_session(self, sess: Session, now: float) -> None:
+        """Keep ``sess`` without a connection for one ttl (15 s if 0) from ``now``, for its
+        client to resume (after a restart of the server, or its connection shed)."""
+        sess.conn = None
+        window = sess.ttl if sess.ttl > 0 else DEFAULT_SESSION_TTL
+        sess.timer = self.loop.call_at(now + window, self._expire_detached, sess)
+
     def _expire_detached(self, sess: Session) -> None:
         sess.timer = None
         if sess.conn is None and sess.id in self.sessions:
-            log.info("session %d was not resumed after the restart; it expires", sess.id)
+            log.info("session %d was not resumed by its client; it expires", sess.id)
             self.end_session(sess)
 
 
