@@ -14,6 +14,7 @@ from test_processes import Child
 import pytest
 
 from rdzv.errors import StoreError
+from rdzv.server import StoreServer
 from rdzv.server import protocol as P
 from rdzv.store import TCPStore
 
@@ -140,3 +141,26 @@ def test_a_request_beyond_the_memory_budget_gets_a_clear_error_and_the_rest_goes
         stalled.close()
         server.kill()
         server.wait()
+
+
+def test_long_pipelines_are_served_in_turns_in_order_and_whole(server: StoreServer) -> None:
+    """Thousands of requests in one write are handled a turn at a time, interleaved with the
+    other clients', and a client whose answers pile up is held back, then served the rest."""
+    a, b = Raw(server.port), Raw(server.port)
+    a.handshake()
+    b.handshake()
+    n = 3000
+    a.send(b"".join(P.encode_add(1 + i, b"count/a", 1) for i in range(n)))
+    b.send(b"".join(P.encode_add(1 + i, b"count/b", 2) for i in range(n)))
+    for raw, step in ((a, 1), (b, 2)):
+        for i in range(n):
+            assert P.decode_response(raw.frame()) == (P.STATUS_OK, 1 + i, str(step * (i + 1)).encode())
+    value = bytes(1 << 20)
+    assert a.call(P.encode_set(n + 1, b"mib", value, False)) == (P.STATUS_OK, n + 1, b"")
+    gets = 200  # 200 MiB of answers: more than the 65 MiB a client may have pending
+    a.send(b"".join(P.encode_get(n + 2 + i, b"mib", False) for i in range(gets)))
+    for i in range(gets):
+        assert P.decode_response(a.frame()) == (P.STATUS_OK, n + 2 + i, P.FOUND + value)
+    assert a.call(P.encode_ping(n + 2 + gets)) == (P.STATUS_OK, n + 2 + gets, b"")
+    a.close()
+    b.close()

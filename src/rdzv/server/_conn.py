@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Union
 
 from ..errors import StoreValueError
 from . import protocol as P
+from ._accounting import Accounting
 from ._budget import TRACK_MIN
-from ._greeting import HANDSHAKE_TIMEOUT, READY, Greeting
+from ._greeting import HANDSHAKE_TIMEOUT, READY
 from ._loop import EPOLLIN, EPOLLOUT
 from ._wal_format import SessionRequest
 
@@ -52,13 +53,13 @@ TURN_BYTES = 1 << 20
 """... or fewer, once their answers in this round reach this many bytes."""
 
 
-class Conn(Greeting):
+class Conn(Accounting):
     """One client connection (see the module docstring)."""
 
     __slots__ = (
-        "core", "sock", "fd", "peer", "last_recv", "chunks", "chunks_len", "need", "deferred",
-        "dpos", "out", "out_size", "unsent", "unsent_size", "reading", "dirty", "waiters", "timer_due", "closed",
-        "closing", "lingering", "held",
+        "core", "sock", "fd", "peer", "last_recv", "chunks_len", "need", "dpos", "out",
+        "out_size", "unsent", "unsent_size", "reading", "dirty", "waiters", "timer_due",
+        "closed", "closing", "lingering",
     )
 
     def __init__(self, core: "Core", sock: socket.socket, peer: str) -> None:
@@ -70,16 +71,12 @@ class Conn(Greeting):
         self.session: Session | None = None
         self.ttl = 0.0
         self.last_recv = _monotonic()
-        self.chunks: list[bytes] | None = None
-        """The start of a frame not yet read whole (``need`` bytes in all)."""
+        self.chunks = None
         self.chunks_len = 0
         self.need = 0
-        self.deferred: bytes | None = None
-        """Requests read but not handled yet (from ``dpos`` on): for its next turn, or until
-        this client has taken its answers."""
+        self.deferred = None  # (for its next turn, or until this client has taken its answers)
         self.dpos = 0
         self.held = 0
-        """The bytes this connection's buffers count for in the memory budget."""
         self.out: list[bytes] = []
         """Answers queued in this round, sent by :meth:`flush_out`."""
         self.out_size = 0
@@ -103,8 +100,9 @@ class Conn(Greeting):
     def on_event(self, events: int) -> None:
         if events & EPOLLOUT:
             self._send_unsent()
-        if not self.reading or self.deferred is not None:  # held back, closing, closed, or
-            if self.lingering:  # requests already read wait for their turn
+        if not self.reading or self.deferred is not None:
+            # Held back, closing or closed, or the requests read wait for their turn.
+            if self.lingering:
                 self._discard()
             return
         try:
@@ -180,13 +178,14 @@ class Conn(Greeting):
                         out.append(resp)
                         self.out_size += len(resp)
                 pos = end
-                if not self.reading:  # closing, or closed
-                    break
                 turn -= 1
-                if (not turn or self.out_size > TURN_BYTES) and pos < size:
-                    self.deferred = data  # the rest: at its next turn
+                if pos < size and (not turn or self.out_size > TURN_BYTES or not self.reading):
+                    if self.closing or self.closed:
+                        break
+                    self.deferred = data  # the rest: at its next turn, or once it read its answers
                     self.dpos = pos
-                    core.loop.call_soon(self._resume_deferred)
+                    if self.reading:
+                        core.loop.call_soon(self._resume_deferred)
                     break
             else:
                 if pos < size:  # fewer than 4 bytes of the next frame
@@ -342,56 +341,6 @@ class Conn(Greeting):
         self.deferred = None
         self.received(data, self.dpos)
 
-    def account(self) -> None:
-        """Tell the memory budget what this connection buffers now (shedding what exceeds it)."""
-        held = self.unsent_size + self.out_size
-        if self.chunks is not None:
-            held += self.need  # all of it, from its first bytes
-        if self.deferred is not None:
-            held += len(self.deferred)
-        if held < TRACK_MIN:
-            held = 0
-        if held != self.held:
-            self.held = held
-            victims = self.core.budget.update(self, held)
-            if victims:
-                self.core.shed(victims)
-
-    def holds(self) -> str:
-        """What this connection's buffers hold, in words (for the log)."""
-        parts = []
-        if self.chunks is not None:
-            parts.append(f"a request of {self.need - 4} bytes, {self.chunks_len} received")
-        if self.unsent:
-            parts.append(f"{self.unsent_size} bytes of answers it has not read")
-        if self.deferred is not None:
-            parts.append(f"{len(self.deferred) - self.dpos} bytes of requests not handled yet")
-        return ", ".join(parts) or "nothing"
-
-    def shed(self, why: str) -> None:
-        """Drop this connection to keep the server in its memory budget, freeing its buffers.
-
-        Its session is kept for a ttl, for the client to resume; a request it was sending is
-        answered with the error (and not applied), the requests after it are not read."""
-        core = self.core
-        core.budget.update(self, 0)
-        self.held = 0
-        sess = self.session
-        if sess is not None and sess.conn is self:
-            self.session = None
-            core.detach_session(sess, _monotonic())
-        rid = 0
-        chunks = self.chunks
-        if chunks is not None and self.chunks_len >= 4 + _HEAD_SIZE and len(chunks[0]) >= 9:
-            rid = _HEAD_unpack_from(chunks[0], 4)[1]  # (assembled below 9 bytes: unnamed)
-        self.chunks = None
-        self.deferred = None
-        if self.unsent or self.closing:  # in the middle of its answers: no error can follow
-            log.warning("dropping the connection from %s: %s", self.peer, why)
-            self.lost(None)
-        else:
-            self.drop(why, P.error(rid, P.E_BUSY, why))
-
     def _watch_events(self) -> None:
         if self.closed:
             return
@@ -423,7 +372,7 @@ class Conn(Greeting):
 
     def _linger(self) -> None:
         """The last answers are sent: end this side, and discard what the client still sends
-        until it closes (at most ``CLOSE_TIMEOUT`` after :meth:`drop`): closing with its bytes
+        until it closes (at most ``CLOSE_TIMEOUT``): closing with its bytes
         unread would reset the connection, and the client might lose those last answers."""
         try:
             self.sock.shutdown(socket.SHUT_WR)
@@ -432,6 +381,9 @@ class Conn(Greeting):
             return
         self.lingering = True
         self._watch_events()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.core.loop.call_later(CLOSE_TIMEOUT, self.close_now)
 
     def _discard(self) -> None:
         try:

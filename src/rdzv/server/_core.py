@@ -19,6 +19,7 @@ from typing import Any, Callable
 from ..store._base import DEFAULT_SESSION_TTL
 from ..store._state import KVState
 from . import protocol as P
+from ._accounting import Accounting
 from ._budget import MemoryBudget, return_freed_memory
 from ._conn import Conn
 from ._dispatch import RequestHandlers
@@ -67,7 +68,7 @@ class Core(RequestHandlers):
         """Answers pending to a connection beyond which its requests are no longer read."""
         self.out_limit = 2 * self.out_high
         """A connection whose unsent answers exceed this is dropped (it does not read them)."""
-        self.budget: MemoryBudget[Conn] = MemoryBudget(memory_budget, memory_base)
+        self.budget: MemoryBudget[Accounting] = MemoryBudget(memory_budget, memory_base)
         if self.budget.for_buffers < self.out_high:
             raise ValueError(
                 f"a memory budget of {_mib(memory_budget)} leaves {_mib(self.budget.for_buffers)} "
@@ -114,7 +115,7 @@ class Core(RequestHandlers):
         self.loop.register(conn.fd, EPOLLIN, conn)
 
     # -- the memory budget -----------------------------------------------------------------------
-    def shed(self, victims: list[Conn]) -> None:
+    def shed(self, victims: list[Accounting]) -> None:
         """Drop ``victims``, the largest holders of buffers, to stay within the memory budget."""
         stats = self.stats()
         numbers = (
