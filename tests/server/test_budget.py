@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rdzv.server import StoreServer
-from rdzv.server._budget import MemoryBudget, shed_order
+from rdzv.server._budget import DEFAULT_MEMORY_BUDGET, MemoryBudget, shed_order
+from rdzv.store import TCPStore
 
 
 @pytest.mark.parametrize(
@@ -40,3 +41,14 @@ def test_a_budget_too_small_for_one_frame_is_refused() -> None:
     server = StoreServer("127.0.0.1", 0, max_frame_size=64 << 20, memory_budget=80 << 20)
     with pytest.raises(ValueError, match="not enough for one request of the maximum frame size"):
         server.start()
+
+
+def test_stats_tell_the_numbers(server: StoreServer, store: TCPStore) -> None:
+    store.set("k", "v")
+    store.flush()
+    stats = server.stats()
+    assert stats == {
+        "connections": 1, "sessions": 1, "keys": 1, "memory_budget": DEFAULT_MEMORY_BUDGET,
+        "memory_base": 0, "buffered_bytes": 0, "buffered_input_bytes": 0,
+        "buffered_output_bytes": 0, "shed_connections": 0,
+    }
