@@ -16,6 +16,12 @@ holding a master ``torch.distributed.TCPStore``, its C++ server), all on 127.0.0
   process calls ``set("go<r>")``. The time from the set until the last client returned
   (``time.time()`` is shared by the processes of one machine). The waiters of both
   implementations stay up for ``--wake-rounds`` rounds, taken in turns; the median is shown.
+* flood fairness (rdzv only): ``--flood-conns`` connections (spread over ``--procs``
+  processes) each keep ``--flood-depth`` non-blocking gets in flight (sent in one write, answers
+  read, again), while one well-behaved client in this process does one ``get`` every 5 ms
+  (``--flood-samples`` of them); its latency at the median and at worst, and the requests per
+  second the flood got answered meanwhile. torch's client API has no pipelining, so there is
+  no like-for-like torch flood; compare rdzv's trees (run this script from each checkout).
 """
 
 from __future__ import annotations
@@ -226,6 +232,91 @@ def wake_ups(impls: list[str], waiters: int, procs: int, rounds: int) -> dict[st
     return times
 
 
+def flood_process(port: int, conns: int, depth: int) -> None:
+    """(In a child process) ``conns`` connections each keep ``depth`` gets in flight until this
+    process's stdin closes; prints ``flooding`` once all are connected, then the answers read."""
+    import select
+    import socket
+
+    from rdzv.server import protocol as P
+
+    from rdzv.store import TCPStore
+
+    stores = [TCPStore("127.0.0.1", port, timeout=120, session_ttl=0) for _ in range(conns)]
+    stores[0].set("flood", b"x" * 32)
+    stores[0].flush()
+    for store in stores:  # handshaken; the flood bypasses the client API (and its keepalive)
+        store._lock.acquire()
+    socks = [store._sock for store in stores]
+    batch = b"".join(P.encode_get(1_000_000 + i, b"flood", False) for i in range(depth))
+    answer_size = len(P.ok(1, P.FOUND + b"x" * 32))
+    pending = {sock.fileno(): 0 for sock in socks}
+    by_fd = {sock.fileno(): sock for sock in socks}
+    answered = 0
+    print("flooding", flush=True)
+    for sock in socks:
+        sock.sendall(batch)
+        pending[sock.fileno()] = depth * answer_size
+    while True:
+        ready, _, _ = select.select([*by_fd, sys.stdin], [], [], 1.0)
+        if sys.stdin in ready:
+            break
+        for fd in ready:
+            sock = by_fd[fd]
+            got = len(sock.recv(1 << 20))
+            pending[fd] -= got
+            if pending[fd] <= 0:  # every answer of the batch read: the next batch
+                answered += depth
+                sock.sendall(batch)
+                pending[fd] += depth * answer_size
+    print(json.dumps({"answered": answered}), flush=True)
+
+
+def flood_fairness(conns: int, depth: int, procs: int, samples: int) -> tuple[list[float], float]:
+    """A healthy client's get latencies (s) while ``conns`` connections flood the server, and
+    the flood's answered requests per second."""
+    proc, port = start_rdzv_server()
+    share = [conns // procs + (1 if i < conns % procs else 0) for i in range(procs)]
+    flooders = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--_flood", str(port), str(n), str(depth)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True,
+        )
+        for n in share
+        if n
+    ]
+    try:
+        healthy = CLIENTS["rdzv"](port)
+        healthy.set("healthy", b"y" * 32)
+        for flooder in flooders:
+            assert flooder.stdout is not None
+            if flooder.stdout.readline().strip() != "flooding":
+                raise RuntimeError("a flood process did not start")
+        time.sleep(1.0)  # the flood under way
+        latencies = []
+        started = time.perf_counter()
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            if healthy.get("healthy") != b"y" * 32:
+                raise RuntimeError("the healthy client got a wrong answer")
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.005)
+        elapsed = time.perf_counter() - started
+        answered = 0
+        for flooder in flooders:
+            assert flooder.stdin is not None and flooder.stdout is not None
+            flooder.stdin.close()
+            answered += json.loads(flooder.stdout.readline())["answered"]
+        healthy.close()
+        return latencies, answered / elapsed
+    finally:
+        for flooder in flooders:
+            flooder.kill()
+            flooder.wait()
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=20000, help="operations per throughput round")
@@ -233,12 +324,20 @@ def main() -> None:
     parser.add_argument("--waiters", type=int, default=1000, help="clients blocked in get")
     parser.add_argument("--procs", type=int, default=4, help="processes the waiters are spread over")
     parser.add_argument("--wake-rounds", type=int, default=5, help="wake-up rounds (median shown)")
+    parser.add_argument("--flood-conns", type=int, default=50, help="flooding connections (0: no flood row)")
+    parser.add_argument("--flood-depth", type=int, default=512, help="gets each flooding connection keeps in flight")
+    parser.add_argument("--flood-samples", type=int, default=200, help="the healthy client's gets during the flood")
     parser.add_argument("--no-torch", action="store_true", help="measure rdzv only")
     parser.add_argument("--_waiters", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--_flood", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._waiters:
         impl, port, count, rounds = args._waiters
         waiter_process(impl, int(port), int(count), int(rounds))
+        return
+    if args._flood:
+        port, conns, depth = map(int, args._flood)
+        flood_process(port, conns, depth)
         return
 
     impls = ["rdzv"]
@@ -256,6 +355,9 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     wake_times = wake_ups(impls, args.waiters, args.procs, args.wake_rounds) if args.waiters else {}
     wake = {impl: statistics.median(times) for impl, times in wake_times.items()}
+    flood: tuple[list[float], float] | None = None
+    if args.flood_conns:
+        flood = flood_fairness(args.flood_conns, args.flood_depth, args.procs, args.flood_samples)
     servers = {impl: SERVERS[impl]() for impl in impls}
     try:
         for _ in range(args.rounds):
@@ -296,12 +398,21 @@ def main() -> None:
                 wake["torch"] / wake["rdzv"] if with_torch else None,
             )
         )
-    header = f"{'':36s}" + "".join(f"{i:>12s}" for i in impls)
+    if flood is not None:
+        latencies, rate = flood
+        under = f"under a flood of {args.flood_conns}x{args.flood_depth}"
+        for label, value in (
+            (f"get ms {under}, p50", f"{statistics.median(latencies) * 1000:,.2f}"),
+            (f"get ms {under}, max", f"{max(latencies) * 1000:,.2f}"),
+            ("flood requests answered per s", f"{rate:,.0f}"),
+        ):
+            rows.append((label, {i: value if i == "rdzv" else "-" for i in impls}, None))
+    header = f"{'':44s}" + "".join(f"{i:>12s}" for i in impls)
     if "torch" in impls:
         header += f"{'rdzv/torch':>14s}"
     print(header)
     for label, cells, ratio in rows:
-        line = f"{label:36s}" + "".join(f"{cells[i]:>12s}" for i in impls)
+        line = f"{label:44s}" + "".join(f"{cells[i]:>12s}" for i in impls)
         if ratio is not None:
             line += f"{ratio:>13.2f}x"
         print(line)

@@ -2,8 +2,8 @@
 
 Modes (each prints what it did, one line at a time, flushed):
 
-* ``ephemeral PORT TTL KEY``: sets KEY ephemerally (flushed), prints ``ready``, then sleeps until
-  killed.
+* ``ephemeral PORT TTL KEY``: sets KEY ephemerally (flushed), prints ``ready <session id>``, then
+  sleeps until killed.
 * ``writer PORT COUNT``: sets ``w/<i>`` for i in 0..COUNT-1 (pipelined), and after every 10th
   prints ``ack <i>`` once ``flush()`` confirmed every set up to it; then ``done``; carries on
   across a server restart.
@@ -31,7 +31,7 @@ def ephemeral(port: int, ttl: float, key: str) -> None:
     store = TCPStore("127.0.0.1", port, timeout=30, session_ttl=ttl)
     store.set(key, "alive", ephemeral=True)
     store.flush()
-    say("ready")
+    say(f"ready {store.session_id}")
     while True:
         time.sleep(3600)
 

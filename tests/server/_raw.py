@@ -23,6 +23,7 @@ class Raw:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.session = 0
+        self.token = b""
         self.welcome: P.Welcome | None = None
 
     def send(self, data: bytes) -> None:
@@ -42,16 +43,22 @@ class Raw:
         return self.exactly(length)
 
     def handshake(
-        self, *, secret: bytes | None = None, resume: int = 0, ttl: float = 30.0
+        self,
+        *,
+        secret: bytes | None = None,
+        resume: int = 0,
+        token: bytes = bytes(P.TOKEN_SIZE),
+        ttl: float = 30.0,
     ) -> P.Welcome:
         nonce = os.urandom(16)
-        self.send(P.encode_hello(ttl, resume, nonce, secret is not None))
+        self.send(P.encode_hello(ttl, resume, token, nonce, secret is not None))
         challenge = P.decode_challenge(self.frame())
         assert challenge.status == P.HS_OK, challenge
         mac = _auth.client_proof(secret, nonce, challenge.nonce) if secret else b""
         self.send(P.encode_auth(mac))
         welcome = P.decode_welcome(self.frame())
         self.session = welcome.session
+        self.token = welcome.token
         self.welcome = welcome
         return welcome
 

@@ -89,7 +89,7 @@ def test_resent_writes_up_to_the_last_applied_id_are_not_applied_again(server: S
         revision = other.revision("k")
         # A new connection resumes the session (as after a lost connection) and resends both.
         again = Raw(server.port)
-        assert again.handshake(resume=raw.session, ttl=30.0).resumed
+        assert again.handshake(resume=raw.session, token=raw.token, ttl=30.0).resumed
         raw.close()
         again.send(P.encode_set(5, b"k", b"first") + P.encode_set(6, b"k2", b"x"))
         assert [P.decode_response(again.frame())[:2] for _ in range(2)] == [
@@ -175,7 +175,7 @@ def test_writes_resent_to_a_restarted_durable_server_are_applied_once(tmp_path: 
         server.wait()
         server, _ = start_server_process("--data-dir", data_dir, "--fsync", "never", port=port)
         again = Raw(port)
-        assert again.handshake(resume=raw.session, ttl=30).resumed
+        assert again.handshake(resume=raw.session, token=raw.token, ttl=30).resumed
         again.send(in_flight)  # the client resends every write it has no answer to
         answers = [P.decode_response(again.frame()) for _ in range(21)]
         assert answers[:20] == [(P.STATUS_OK, rid, b"") for rid in range(1, 21)]

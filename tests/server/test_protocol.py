@@ -67,16 +67,20 @@ def test_responses_round_trip() -> None:
 
 
 def test_handshake_round_trip() -> None:
-    nonce = bytes(range(16))
-    hello = P.decode_hello(P.encode_hello(2.5, 42, nonce, True)[4:])
-    assert hello == P.Hello(P.PROTOCOL_VERSION, P.HELLO_FLAG_HAS_SECRET, 2.5, 42, nonce)
+    nonce, token = bytes(range(16)), bytes(range(16, 32))
+    hello = P.decode_hello(P.encode_hello(2.5, 42, token, nonce, True)[4:])
+    assert hello == P.Hello(P.PROTOCOL_VERSION, P.HELLO_FLAG_HAS_SECRET, 2.5, 42, token, nonce)
+    fresh = P.decode_hello(P.encode_hello(2.5, 0, token, nonce, False)[4:])
+    assert fresh.resume_token == bytes(P.TOKEN_SIZE)  # no session named: no token sent
     snonce = bytes(32)
     challenge = P.decode_challenge(P.encode_challenge(P.HS_OK, True, snonce)[4:])
     assert challenge.auth_required and challenge.nonce == snonce
     refused = P.decode_challenge(P.encode_challenge(P.HS_VERSION_MISMATCH, False, message="v9")[4:])
     assert refused.status == P.HS_VERSION_MISMATCH and refused.message == "v9"
-    welcome = P.decode_welcome(P.encode_welcome(P.HS_OK, 5, True, 1 << 20, 2.0, b"p" * 32)[4:])
-    assert welcome == P.Welcome(P.HS_OK, 5, True, 1 << 20, 2.0, b"p" * 32, "")
+    welcome = P.decode_welcome(
+        P.encode_welcome(P.HS_OK, 5, True, 1 << 20, 2.0, b"t" * 16, b"p" * 32)[4:]
+    )
+    assert welcome == P.Welcome(P.HS_OK, 5, True, 1 << 20, 2.0, b"t" * 16, b"p" * 32, "")
     failed = P.decode_welcome(P.encode_welcome(P.HS_AUTH_FAILED, message="no")[4:])
     assert failed.status == P.HS_AUTH_FAILED and failed.message == "no"
 
@@ -88,7 +92,7 @@ def test_hello_of_another_version_is_recognised() -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b"RDZ", b"HTTP/1.1 GET /", P.MAGIC + b"\x01", P.encode_hello(1.0, 0, bytes(16), False)[4:-1]],
+    [b"", b"RDZ", b"HTTP/1.1 GET /", P.MAGIC + b"\x01", P.encode_hello(1.0, 0, b"", bytes(16), False)[4:-1]],
 )
 def test_bad_hello_is_a_protocol_error(body: bytes) -> None:
     with pytest.raises(P.ProtocolError):
@@ -97,7 +101,7 @@ def test_bad_hello_is_a_protocol_error(body: bytes) -> None:
 
 def test_nan_ttl_is_refused() -> None:
     with pytest.raises(P.ProtocolError, match="ttl"):
-        P.decode_hello(P.encode_hello(float("nan"), 0, bytes(16), False)[4:])
+        P.decode_hello(P.encode_hello(float("nan"), 0, b"", bytes(16), False)[4:])
 
 
 @pytest.mark.parametrize(

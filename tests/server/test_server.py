@@ -217,12 +217,23 @@ def test_client_of_other_version_gets_a_typed_error(
 ) -> None:
     real_hello = P._HELLO
 
-    def hello_v2(ttl: float, resume: int, nonce: bytes, has_secret: bool) -> bytes:
-        return P.frame(real_hello.pack(P.MAGIC, 2, 0, ttl, resume, nonce))
+    def hello_v3(ttl: float, resume: int, token: bytes, nonce: bytes, has_secret: bool) -> bytes:
+        return P.frame(real_hello.pack(P.MAGIC, 3, 0, ttl, resume, bytes(16), nonce))
 
-    monkeypatch.setattr(P, "encode_hello", hello_v2)
-    with pytest.raises(StoreProtocolError, match="version mismatch.*version 2"):
+    monkeypatch.setattr(P, "encode_hello", hello_v3)
+    with pytest.raises(StoreProtocolError, match="version mismatch.*version 3.*same rdzv version"):
         TCPStore("127.0.0.1", server.port, timeout=5)
+
+
+def test_a_version_1_client_is_told_to_upgrade(server: StoreServer) -> None:
+    """A client of protocol 1 (which resumed sessions by id alone) gets the mismatch."""
+    raw = Raw(server.port)
+    v1_hello = struct.pack("<4sHHdQ16s", P.MAGIC, 1, 0, 30.0, 0, bytes(16))
+    raw.send(P.frame(v1_hello))
+    challenge = P.decode_challenge(raw.frame())
+    assert challenge.status == P.HS_VERSION_MISMATCH
+    assert "server speaks version 2, the client version 1" in challenge.message
+    assert raw.closed_by_server()
 
 
 def test_client_talking_to_a_non_rdzv_server() -> None:
@@ -333,7 +344,7 @@ def test_resent_write_after_reconnect_is_not_applied_twice(server: StoreServer) 
     status, _, payload = first.call(P.encode_add(41, b"counter", 5))
     assert (status, payload) == (P.STATUS_OK, b"5")
     second = Raw(server.port)  # the same client, reconnected after losing the answer
-    welcome = second.handshake(resume=first.session, ttl=30)
+    welcome = second.handshake(resume=first.session, token=first.token, ttl=30)
     assert welcome.resumed and welcome.session == first.session
     assert first.closed_by_server()
     assert second.call(P.encode_add(41, b"counter", 5)) == (P.STATUS_OK, 41, b"5")

@@ -29,6 +29,7 @@ def assert_same_state(recovered: KVState, expected: KVState) -> None:
     assert sorted(recovered.items()) == sorted(expected.items())
     assert recovered.revision == expected.revision
     assert recovered.session_ttls == expected.session_ttls
+    assert recovered.session_tokens == expected.session_tokens
     assert recovered.last_session == expected.last_session
     assert recovered.path_revisions() == expected.path_revisions()
 
@@ -63,7 +64,7 @@ def replayed(effects: list) -> KVState:
 def busy_state(state: KVState) -> None:
     """Writes of every kind: plain, ephemeral, counters, deletes, sessions opened and closed."""
     state.set("job/round", b"1")
-    alive = state.open_session(15.0)
+    alive = state.open_session(15.0, b"token of alive!!")
     dead = state.open_session(2.5)
     state.set("job/nodes/a", b"\x00\xffbinary", alive)
     state.set("job/nodes/b", b"", dead)

@@ -28,6 +28,7 @@ from ..errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
+    SessionExpiredError,
     StoreTimeoutError,
 )
 from ..rendezvous import RendezvousHandler, RendezvousInfo
@@ -212,6 +213,10 @@ class ElasticAgent:
             plan = start_round(self.switch_context(), info, assignment, None)
         except StoreTimeoutError as exc:
             self.say(f"a node of the new round did not answer ({exc}); re-forming")
+            return None
+        except SessionExpiredError as exc:  # (paused past its session ttl just now)
+            self.say(f"this node's store session expired as the round formed, so the others "
+                     f"take it for gone ({exc}); re-forming")
             return None
         except RendezvousError as exc:
             self.say(f"cannot share the worker counts of the new round: "

@@ -124,6 +124,8 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     Raises:
         StoreTimeoutError: a node of the round did not write its entry (or rank 0 its answer)
             within ``timeout`` seconds (it probably died: the caller re-rendezvouses).
+        SessionExpiredError: this node's store session expired as the round formed (it was
+            paused past its session ttl): the others take it for gone, the caller re-rendezvouses.
     """
     store: Store = info.store
     store.set_timeout(timeout)

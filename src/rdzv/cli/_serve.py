@@ -26,6 +26,7 @@ def _positive_size(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..server._budget import DEFAULT_MEMORY_BUDGET
     from ..server.protocol import DEFAULT_MAX_FRAME_SIZE
 
     parser = subparsers.add_parser(
@@ -70,6 +71,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="largest request or response in bytes, K/M/G suffixes allowed (default: 64M)",
     )
     parser.add_argument(
+        "--memory-budget",
+        type=_positive_size,
+        default=DEFAULT_MEMORY_BUDGET,
+        help=(
+            "memory the server may use for itself and the requests and answers it buffers for "
+            "its clients, K/M/G suffixes allowed; beyond it the connections holding the most are "
+            "dropped with an error (default: 512M)"
+        ),
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -104,6 +115,8 @@ def serve(args: argparse.Namespace) -> int:
             data_dir=args.data_dir,
             fsync=args.fsync,
             max_frame_size=args.max_frame_size,
+            memory_budget=args.memory_budget,
+            budget_covers_process=True,  # the process is the server's alone
         )
         server.serve_forever()
     except (OSError, RendezvousError, ValueError) as exc:

@@ -3,9 +3,13 @@
 :class:`Conn` reads into one buffer shared by all connections, splits the bytes into frames,
 runs the handshake (version, optional shared-secret auth, session attach/resume), hands each
 request to the core's handlers and sends the answers to all the requests of one read with one
-``send`` (with a write-ahead log: at the end of the loop's round, once logged). A client that does not read its answers is
-held back (its requests are no longer read until it drains them) and dropped when they pile up
-beyond a limit; a client that stays silent for its session ttl loses its session.
+``send`` (with a write-ahead log: at the end of the loop's round, once logged). Each connection
+gets a bounded turn: at most :data:`FRAMES_PER_TURN` requests (or :data:`TURN_BYTES` of answers)
+per round of the loop, the rest waits for its next turn, so a flood on some connections delays
+the others by little. A client that does not read its answers is held back (its requests are no
+longer read until it drains them) and dropped when they pile up beyond a limit; a client that
+stays silent for its session ttl loses its session. Its buffers count against the server's
+memory budget (:mod:`._budget`), which sheds the largest holders.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ import select
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from itertools import islice
+from typing import TYPE_CHECKING, Union
 
 from ..errors import StoreValueError
-from . import _auth
 from . import protocol as P
+from ._accounting import Accounting
+from ._budget import TRACK_MIN
+from ._greeting import HANDSHAKE_TIMEOUT, READY
 from ._loop import EPOLLIN, EPOLLOUT
 from ._wal_format import SessionRequest
 
@@ -35,21 +43,23 @@ _HEAD_unpack_from = P.BODY_HEAD.unpack_from
 _HEAD_SIZE = P.HEAD_SIZE
 _READ_SIZE = 1 << 18
 
-HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a new connection has to complete the handshake."""
 CLOSE_TIMEOUT = 5.0
 """Seconds a closing connection has to take its last answers before it is cut."""
-READY = 2
-"""Phase of a connection past its handshake (0: awaiting HELLO, 1: awaiting AUTH)."""
+FRAMES_PER_TURN = 64
+"""Requests of one connection handled per round of the loop (then the others have a turn)."""
+_SEND_BUFFERS = 64
+"""Answers handed to one ``sendmsg``, at most."""
+TURN_BYTES = 1 << 20
+"""... or fewer, once their answers in this round reach this many bytes."""
 
 
-class Conn:
+class Conn(Accounting):
     """One client connection (see the module docstring)."""
 
     __slots__ = (
-        "core", "sock", "fd", "peer", "phase", "session", "ttl", "last_recv", "chunks",
-        "chunks_len", "need", "deferred", "out", "out_size", "unsent", "reading", "dirty",
-        "waiters", "hello", "server_nonce", "timer", "timer_due", "closed", "closing", "max_frame",
+        "core", "sock", "fd", "peer", "last_recv", "chunks_len", "need", "dpos", "out",
+        "out_size", "unsent", "unsent_size", "reading", "dirty", "waiters", "timer_due",
+        "closed", "closing", "lingering",
     )
 
     def __init__(self, core: "Core", sock: socket.socket, peer: str) -> None:
@@ -61,17 +71,18 @@ class Conn:
         self.session: Session | None = None
         self.ttl = 0.0
         self.last_recv = _monotonic()
-        self.chunks: list[bytes] | None = None
-        """The start of a frame not yet read whole (``need`` bytes in all)."""
+        self.chunks = None
         self.chunks_len = 0
         self.need = 0
-        self.deferred: bytes | None = None
-        """Requests read but left unparsed while this client's answers pile up."""
+        self.deferred = None  # (for its next turn, or until this client has taken its answers)
+        self.dpos = 0
+        self.held = 0
         self.out: list[bytes] = []
         """Answers queued in this round, sent by :meth:`flush_out`."""
         self.out_size = 0
-        self.unsent = bytearray()
-        """Answers the socket did not take yet."""
+        self.unsent: deque[Union[bytes, memoryview]] = deque()
+        """Answers the socket did not take yet, as they came (no copy; each freed once sent)."""
+        self.unsent_size = 0
         self.reading = True
         self.dirty = False
         self.waiters: set[Waiter] = set()
@@ -81,6 +92,7 @@ class Conn:
         self.timer_due = 0.0
         self.closed = False
         self.closing = False
+        self.lingering = False
         self.max_frame = P.HANDSHAKE_MAX_FRAME
         self.timer = core.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
 
@@ -88,7 +100,10 @@ class Conn:
     def on_event(self, events: int) -> None:
         if events & EPOLLOUT:
             self._send_unsent()
-        if not self.reading:  # held back, closing or closed
+        if not self.reading or self.deferred is not None:
+            # Held back, closing or closed, or the requests read wait for their turn.
+            if self.lingering:
+                self._discard()
             return
         try:
             n = self.sock.recv_into(self.core.rbuf, _READ_SIZE)
@@ -103,8 +118,9 @@ class Conn:
         self.received(self.core.rview[:n].tobytes())
         self.last_recv = _monotonic()  # (after the answers: not on the way to them)
 
-    def received(self, data: bytes) -> None:
-        """Handle the bytes ``data`` read from the client: every whole frame in them.
+    def received(self, data: bytes, pos: int = 0) -> None:
+        """Handle the bytes ``data[pos:]`` read from the client: the whole frames in them, up
+        to this connection's turn (the rest waits for the next one).
 
         The hot path of the server: the requests are decoded and answered inline here.
         """
@@ -119,10 +135,9 @@ class Conn:
         core = self.core
         handlers = core.handlers
         mutating = core.mutating
-        out_high = core.out_high
         out = self.out
         size = len(data)
-        pos = 0
+        turn = FRAMES_PER_TURN
         try:
             while size - pos >= 4:
                 (length,) = _LEN_unpack_from(data, pos)
@@ -163,12 +178,14 @@ class Conn:
                         out.append(resp)
                         self.out_size += len(resp)
                 pos = end
-                if not self.reading:  # closing, or closed
-                    break
-                if self.out_size > out_high and pos < size:
-                    # Answers pile up: the rest waits until the client has read them.
-                    self.deferred = data[pos:]
-                    self._pause_reading()
+                turn -= 1
+                if pos < size and (not turn or self.out_size > TURN_BYTES or not self.reading):
+                    if self.closing or self.closed:
+                        break
+                    self.deferred = data  # the rest: at its next turn, or once it read its answers
+                    self.dpos = pos
+                    if self.reading:
+                        core.loop.call_soon(self._resume_deferred)
                     break
             else:
                 if pos < size:  # fewer than 4 bytes of the next frame
@@ -177,6 +194,8 @@ class Conn:
                     self.need = 4
         except P.ProtocolError as exc:
             self.drop(f"protocol error: {exc}", P.error(0, exc.code, str(exc)))
+        if self.chunks is not None or self.deferred is not None or self.held:
+            self.account()
         if self.out:
             if core.wal is None:
                 self.flush_out()  # nothing to log first: answer at once
@@ -237,7 +256,8 @@ class Conn:
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()  # (the same list: received() may be appending to it)
         if self.unsent:
-            self.unsent += data
+            self.unsent.append(data)
+            self.unsent_size += len(data)
         else:
             try:
                 sent = self.sock.send(data)
@@ -248,29 +268,49 @@ class Conn:
                 return
             if sent == len(data):
                 if self.closing:
-                    self.close_now()
+                    self._linger()
                 elif not self.reading:
                     self._resume_reading()
                 return
-            self.unsent += memoryview(data)[sent:]
+            self.unsent.append(memoryview(data)[sent:])
+            self.unsent_size = len(data) - sent
             self._watch_events()
-        if len(self.unsent) > self.core.out_limit:
-            self.drop(f"it does not read its responses ({len(self.unsent)} bytes waiting to be sent)")
+        unsent = self.unsent_size
+        if unsent > self.core.out_limit:
+            self.drop(f"it does not read its responses ({unsent} bytes waiting to be sent)")
+            return
+        if unsent > self.core.out_high and self.reading:
+            self.reading = False  # answers pile up: read on once the client has taken them
+            self._watch_events()
+        if unsent >= TRACK_MIN or self.held:
+            self.account()
 
     def _send_unsent(self) -> None:
         unsent = self.unsent
         try:
-            sent = self.sock.send(unsent)
+            if len(unsent) == 1:
+                sent = self.sock.send(unsent[0])
+            else:
+                sent = self.sock.sendmsg(list(islice(unsent, _SEND_BUFFERS)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self.lost(exc)
             return
-        del unsent[:sent]
+        self.unsent_size -= sent
+        while sent:
+            first = unsent[0]
+            if sent < len(first):
+                unsent[0] = memoryview(first)[sent:]
+                break
+            sent -= len(first)
+            unsent.popleft()
+        if self.held:
+            self.account()
         if unsent:
             return
         if self.closing:
-            self.close_now()
+            self._linger()
             return
         # The client drained our answers: it is alive even if its requests wait unread (a
         # stopped process reads nothing), so its ttl counts from here.
@@ -282,11 +322,7 @@ class Conn:
 
     def buffered(self) -> int:
         """Bytes of answers waiting to be sent to this client."""
-        return len(self.unsent) + self.out_size
-
-    def _pause_reading(self) -> None:
-        self.reading = False
-        self._watch_events()
+        return self.unsent_size + self.out_size
 
     def _resume_reading(self) -> None:
         """Every answer went out: read this client's requests again, the deferred ones first."""
@@ -298,17 +334,17 @@ class Conn:
             self.core.loop.call_soon(self._resume_deferred)
 
     def _resume_deferred(self) -> None:
-        """Go on with requests left unparsed while this client's answers piled up."""
+        """This connection's next turn: go on with the requests read but not handled yet."""
         data = self.deferred
         if data is None or self.closed or not self.reading:
             return
         self.deferred = None
-        self.received(data)
+        self.received(data, self.dpos)
 
     def _watch_events(self) -> None:
         if self.closed:
             return
-        events = (EPOLLIN if self.reading else 0) | (
+        events = (EPOLLIN if self.reading or self.lingering else 0) | (
             EPOLLOUT if self.unsent else 0
         )
         self.core.loop.modify(self.fd, events)
@@ -333,6 +369,31 @@ class Conn:
         """Read no more requests; close once the answers queued so far are sent."""
         self.closing = True
         self.reading = False
+
+    def _linger(self) -> None:
+        """The last answers are sent: end this side, and discard what the client still sends
+        until it closes (at most ``CLOSE_TIMEOUT``): closing with its bytes
+        unread would reset the connection, and the client might lose those last answers."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.lost(None)
+            return
+        self.lingering = True
+        self._watch_events()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.core.loop.call_later(CLOSE_TIMEOUT, self.close_now)
+
+    def _discard(self) -> None:
+        try:
+            n = self.sock.recv_into(self.core.rbuf, _READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if n == 0:
+            self.lost(None)
 
     def close_now(self) -> None:
         """Close the socket at once (the answers sent so far stay sent)."""
@@ -359,87 +420,20 @@ class Conn:
         for w in list(self.waiters):
             core.remove_waiter(w)
         self.out = []
-        self.unsent = bytearray()
+        self.unsent = deque()
+        self.unsent_size = 0
         self.deferred = None
+        self.chunks = None
+        if self.held:
+            self.held = 0
+            core.budget.update(self, 0)
         sess = self.session
         self.session = None
         if sess is not None and sess.conn is self and not core.stopping and core.failed is None:
             log.debug("connection from %s closed; ending its session %d", self.peer, sess.id)
             core.end_session(sess)
 
-    def _oversized(self, length: int) -> None:
-        msg = f"frame of {length} bytes exceeds the maximum frame size of {self.max_frame} bytes"
-        if self.phase != READY:
-            self.drop(f"bad handshake ({msg}; not an rdzv client?)")
-        else:
-            self.drop(msg, P.error(0, P.E_FRAME_TOO_LARGE, msg))
-
-    # -- handshake -------------------------------------------------------------------------------
-    def handshake(self, body: bytes) -> None:
-        """Handle a handshake frame: HELLO (answered by CHALLENGE), then AUTH (by WELCOME)."""
-        core = self.core
-        if self.phase == 0:
-            try:
-                hello = P.decode_hello(body)
-            except P.ProtocolError as exc:
-                self.drop(f"bad handshake: {exc}")
-                return
-            if hello.version != P.PROTOCOL_VERSION:
-                msg = (
-                    f"protocol version mismatch: the server speaks version {P.PROTOCOL_VERSION}, "
-                    f"the client version {hello.version}"
-                )
-                self.drop(msg, P.encode_challenge(P.HS_VERSION_MISMATCH, False, message=msg))
-                return
-            self.hello = hello
-            self.server_nonce = _auth.new_nonce(P.NONCE_SIZE)
-            self.phase = 1
-            self.queue(P.encode_challenge(P.HS_OK, core.secret is not None, self.server_nonce))
-            return
-        greeted = self.hello
-        assert greeted is not None
-        try:
-            mac = P.decode_auth(body)
-        except P.ProtocolError as exc:
-            self.drop(f"bad handshake: {exc}")
-            return
-        proof = b""
-        if core.secret is not None:
-            expected = _auth.client_proof(core.secret, greeted.nonce, self.server_nonce)
-            if not mac or not _auth.verify(expected, mac):
-                why = (
-                    "the server requires a shared secret and the client sent none"
-                    if not mac
-                    else "the client's secret does not match the server's"
-                )
-                self.drop(
-                    f"authentication failed: {why}",
-                    P.encode_welcome(P.HS_AUTH_FAILED, message=f"authentication failed: {why}"),
-                )
-                return
-            proof = _auth.server_proof(core.secret, greeted.nonce, self.server_nonce)
-        sess, resumed = core.attach_session(self, greeted)
-        self.session = sess
-        self.ttl = greeted.ttl
-        self.phase = READY
-        self.max_frame = core.max_frame_size
-        self.hello = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if greeted.ttl > 0:
-            self.arm_ttl(self.last_recv + greeted.ttl)
-        self.queue(
-            P.encode_welcome(P.HS_OK, sess.id, resumed, core.max_frame_size, greeted.ttl, proof)
-        )
-        log.debug("%s: session %d %s", self.peer, sess.id, "resumed" if resumed else "opened")
-
     # -- timers -----------------------------------------------------------------------------------
-    def _handshake_timeout(self) -> None:
-        self.timer = None
-        if self.phase != READY:
-            self.drop(f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
-
     def arm_ttl(self, when: float) -> None:
         self.timer_due = when
         self.timer = self.core.loop.call_at(when, self._ttl_check)

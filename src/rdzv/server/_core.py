@@ -10,13 +10,17 @@ the loop.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import socket
 from typing import Any, Callable
 
 from ..store._base import DEFAULT_SESSION_TTL
 from ..store._state import KVState
 from . import protocol as P
+from ._accounting import Accounting
+from ._budget import MemoryBudget, return_freed_memory
 from ._conn import Conn
 from ._dispatch import RequestHandlers
 from ._loop import EPOLLIN, EventLoop, Timer
@@ -29,11 +33,13 @@ log = logging.getLogger("rdzv.server")
 class Session:
     """A client's session: its ephemeral keys' owner, and the last write it had applied."""
 
-    __slots__ = ("id", "ttl", "conn", "last_rid", "last_resp", "timer")
+    __slots__ = ("id", "ttl", "token", "conn", "last_rid", "last_resp", "timer")
 
-    def __init__(self, sid: int, ttl: float) -> None:
+    def __init__(self, sid: int, ttl: float, token: bytes) -> None:
         self.id = sid
         self.ttl = ttl
+        self.token = token
+        """The secret its owner resumes it with (empty: recovered without one, not resumable)."""
         self.conn: Conn | None = None
         self.last_rid = 0
         self.last_resp: bytes | None = b""
@@ -50,6 +56,8 @@ class Core(RequestHandlers):
         wal: Any,
         secret: bytes | None,
         max_frame_size: int,
+        memory_budget: int,
+        memory_base: int = 0,
     ) -> None:
         self.loop = loop
         self.state = state
@@ -60,6 +68,15 @@ class Core(RequestHandlers):
         """Answers pending to a connection beyond which its requests are no longer read."""
         self.out_limit = 2 * self.out_high
         """A connection whose unsent answers exceed this is dropped (it does not read them)."""
+        self.budget: MemoryBudget[Accounting] = MemoryBudget(memory_budget, memory_base)
+        if self.budget.for_buffers < self.out_high:
+            raise ValueError(
+                f"a memory budget of {_mib(memory_budget)} leaves {_mib(self.budget.for_buffers)} "
+                f"for client buffers (a quarter is kept in reserve, the server itself takes "
+                f"{_mib(self.budget.base)}): not "
+                f"enough for one request of the maximum frame size ({_mib(max_frame_size)}) and "
+                "its answers; raise the memory budget or lower the maximum frame size"
+            )
         self.rbuf = bytearray(1 << 18)  # every connection reads into this
         self.rview = memoryview(self.rbuf)
         self.conns: set[Conn] = set()
@@ -75,13 +92,12 @@ class Core(RequestHandlers):
         now = loop.time()
         for sid, ttl in list(state.session_ttls.items()):
             # Recovered from the log: each session gets a fresh window to be resumed.
-            sess = Session(sid, ttl)
+            sess = Session(sid, ttl, state.session_tokens.get(sid, b""))
             last = wal.requests.get(sid) if wal is not None else None
             if last is not None:  # its last write: a resent copy is answered, not applied
                 sess.last_rid, sess.last_resp = last.rid, last.answer
             self.sessions[sid] = sess
-            window = ttl if ttl > 0 else DEFAULT_SESSION_TTL
-            sess.timer = loop.call_at(now + window, self._expire_detached, sess)
+            self.detach_session(sess, now)
 
     # -- connections ------------------------------------------------------------------------------
     def accept(self, sock: socket.socket, peer: str) -> None:
@@ -97,6 +113,43 @@ class Core(RequestHandlers):
         conn = Conn(self, sock, peer)
         self.conns.add(conn)
         self.loop.register(conn.fd, EPOLLIN, conn)
+
+    # -- the memory budget -----------------------------------------------------------------------
+    def shed(self, victims: list[Accounting]) -> None:
+        """Drop ``victims``, the largest holders of buffers, to stay within the memory budget."""
+        stats = self.stats()
+        numbers = (
+            f"{_mib(stats['buffered_bytes'])} buffered for {len(self.budget.held)} connection(s) "
+            f"(input {_mib(stats['buffered_input_bytes'])}, output "
+            f"{_mib(stats['buffered_output_bytes'])}), {_mib(self.budget.for_buffers)} allowed "
+            f"(--memory-budget {_mib(self.budget.limit)} less a quarter and the server's own "
+            f"{_mib(self.budget.base)})"
+        )
+        for conn in victims:
+            self.budget.shed += 1
+            why = (
+                f"the store server is over its memory budget ({numbers}) and this connection "
+                f"holds the most: {conn.holds()}; retry later, or raise the server's --memory-budget"
+            )
+            conn.shed(why)
+        return_freed_memory()
+
+    def stats(self) -> dict[str, int]:
+        """The server's numbers: connections, sessions, keys, and the memory budget's."""
+        budget = self.budget
+        held = list(budget.held)  # (one C call: safe from another thread)
+        output = sum(conn.unsent_size for conn in held)
+        return {
+            "connections": len(self.conns),
+            "sessions": len(self.sessions),
+            "keys": self.state.num_keys(),
+            "memory_budget": budget.limit,
+            "memory_base": budget.base,
+            "buffered_bytes": budget.total,
+            "buffered_input_bytes": max(0, budget.total - output),
+            "buffered_output_bytes": output,
+            "shed_connections": budget.shed,
+        }
 
     # -- committing: log first, then answer ------------------------------------------------
     def commit(self) -> None:
@@ -148,7 +201,20 @@ class Core(RequestHandlers):
 
     # -- sessions --------------------------------------------------------------------------------
     def attach_session(self, conn: "Conn", hello: P.Hello) -> tuple[Session, bool]:
+        """The session of a client that completed its handshake, and whether it was resumed.
+
+        A session is resumed only with its token (compared in constant time); a client that
+        names a session it cannot prove it owns gets a new one, and the owner keeps its own.
+        """
         sess = self.sessions.get(hello.resume_session) if hello.resume_session else None
+        if sess is not None and not (
+            sess.token and hmac.compare_digest(sess.token, hello.resume_token)
+        ):
+            log.warning(
+                "%s asked to resume session %d without its token; it gets a new session "
+                "(the session stays with its owner)", conn.peer, sess.id,
+            )
+            sess = None
         if sess is not None:
             old = sess.conn
             if old is not None and old is not conn:
@@ -160,7 +226,8 @@ class Core(RequestHandlers):
             sess.ttl = hello.ttl
             resumed = True
         else:
-            sess = Session(self.state.open_session(hello.ttl), hello.ttl)
+            token = secrets.token_bytes(P.TOKEN_SIZE)
+            sess = Session(self.state.open_session(hello.ttl, token), hello.ttl, token)
             self.sessions[sess.id] = sess
             resumed = False
         sess.conn = conn
@@ -178,8 +245,19 @@ class Core(RequestHandlers):
         if changed and self.waiters:
             self.wake(changed)
 
+    def detach_session(self, sess: Session, now: float) -> None:
+        """Keep ``sess`` without a connection for one ttl (15 s if 0) from ``now``, for its
+        client to resume (after a restart of the server, or its connection shed)."""
+        sess.conn = None
+        window = sess.ttl if sess.ttl > 0 else DEFAULT_SESSION_TTL
+        sess.timer = self.loop.call_at(now + window, self._expire_detached, sess)
+
     def _expire_detached(self, sess: Session) -> None:
         sess.timer = None
         if sess.conn is None and sess.id in self.sessions:
-            log.info("session %d was not resumed after the restart; it expires", sess.id)
+            log.info("session %d was not resumed by its client; it expires", sess.id)
             self.end_session(sess)
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"

@@ -16,6 +16,7 @@ from ._wire import (
     MAGIC,
     NONCE_SIZE,
     PROTOCOL_VERSION,
+    TOKEN_SIZE,
     ProtocolError,
     U8,
     _CHALLENGE,
@@ -31,6 +32,8 @@ class Hello(NamedTuple):
     flags: int
     ttl: float
     resume_session: int
+    resume_token: bytes
+    """The token the server gave with ``resume_session`` (proof of owning it)."""
     nonce: bytes
 
 
@@ -48,13 +51,18 @@ class Welcome(NamedTuple):
     resumed: bool
     max_frame_size: int
     ttl: float
+    token: bytes
+    """The session's resume token: only its owner knows it."""
     proof: bytes
     message: str
 
 
-def encode_hello(ttl: float, resume_session: int, nonce: bytes, has_secret: bool) -> bytes:
+def encode_hello(
+    ttl: float, resume_session: int, resume_token: bytes, nonce: bytes, has_secret: bool
+) -> bytes:
     flags = HELLO_FLAG_HAS_SECRET if has_secret else 0
-    return frame(_HELLO.pack(MAGIC, PROTOCOL_VERSION, flags, ttl, resume_session, nonce))
+    token = resume_token if resume_session else bytes(TOKEN_SIZE)
+    return frame(_HELLO.pack(MAGIC, PROTOCOL_VERSION, flags, ttl, resume_session, token, nonce))
 
 
 def decode_hello(body: bytes) -> Hello:
@@ -64,13 +72,13 @@ def decode_hello(body: bytes) -> Hello:
         raise ProtocolError("not an rdzv store client (bad handshake magic)")
     (version,) = struct.unpack_from("<H", body, 4)
     if version != PROTOCOL_VERSION:
-        return Hello(version, 0, 0.0, 0, b"")
+        return Hello(version, 0, 0.0, 0, b"", b"")
     if len(body) != _HELLO.size:
         raise ProtocolError(f"malformed HELLO of {len(body)} bytes")
-    _, version, flags, ttl, resume, nonce = _HELLO.unpack(body)
+    _, version, flags, ttl, resume, token, nonce = _HELLO.unpack(body)
     if not ttl >= 0.0 or ttl == float("inf"):  # also rejects NaN
         raise ProtocolError(f"invalid session ttl {ttl!r} in HELLO")
-    return Hello(version, flags, ttl, resume, nonce)
+    return Hello(version, flags, ttl, resume, token, nonce)
 
 
 def encode_challenge(status: int, auth_required: bool, nonce: bytes = b"", message: str = "") -> bytes:
@@ -109,12 +117,13 @@ def encode_welcome(
     resumed: bool = False,
     max_frame_size: int = 0,
     ttl: float = 0.0,
+    token: bytes = b"",
     proof: bytes = b"",
     message: str = "",
 ) -> bytes:
     if status != HS_OK:
         return frame(U8.pack(status) + message.encode("utf-8", "replace"))
-    return frame(_WELCOME.pack(status, session, resumed, max_frame_size, ttl) + proof)
+    return frame(_WELCOME.pack(status, session, resumed, max_frame_size, ttl, token) + proof)
 
 
 def decode_welcome(body: bytes) -> Welcome:
@@ -122,8 +131,8 @@ def decode_welcome(body: bytes) -> Welcome:
         raise ProtocolError("empty WELCOME")
     status = body[0]
     if status != HS_OK:
-        return Welcome(status, 0, False, 0, 0.0, b"", body[1:].decode("utf-8", "replace"))
+        return Welcome(status, 0, False, 0, 0.0, b"", b"", body[1:].decode("utf-8", "replace"))
     if len(body) not in (_WELCOME.size, _WELCOME.size + MAC_SIZE):
         raise ProtocolError(f"malformed WELCOME of {len(body)} bytes")
-    status, session, resumed, max_frame, ttl = _WELCOME.unpack_from(body, 0)
-    return Welcome(status, session, bool(resumed), max_frame, ttl, body[_WELCOME.size :], "")
+    status, session, resumed, max_frame, ttl, token = _WELCOME.unpack_from(body, 0)
+    return Welcome(status, session, bool(resumed), max_frame, ttl, token, body[_WELCOME.size :], "")

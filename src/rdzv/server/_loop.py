@@ -131,7 +131,9 @@ class EventLoop:
         return self.call_at(_monotonic() + delay, callback, *args)
 
     def call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
-        """Run ``callback`` in this round, after the events (loop thread only)."""
+        """Run ``callback`` after this round's events, or, when called from a callback of
+        this kind, in the next round (so that such work takes turns with the events; loop
+        thread only)."""
         self._soon.append((callback, args))
 
     def stop(self) -> None:
@@ -162,7 +164,7 @@ class EventLoop:
                     on_event(events)
             if timers and timers[0].when <= _monotonic():
                 self._run_timers()
-            while self._soon:
+            if self._soon:  # one pass: what these schedule runs next round, after new events
                 soon, self._soon = self._soon, []
                 for callback, args in soon:
                     callback(*args)

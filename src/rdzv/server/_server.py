@@ -26,6 +26,7 @@ from ..errors import StoreError
 from ..store._state import KVState
 from . import _auth
 from . import protocol as P
+from ._budget import DEFAULT_MEMORY_BUDGET, resident_bytes, return_freed_memory
 from ._core import Core
 from ._loop import EPOLLIN, EventLoop
 
@@ -119,7 +120,10 @@ class StoreServer:
     returns once listening (port 0 picks a free port: see :attr:`port`); ``serve_forever()``
     serves in the calling thread until SIGINT/SIGTERM or :meth:`stop`. With ``data_dir`` every
     acknowledged write survives a crash of the server (``fsync="always"``) or of its process
-    (``fsync="never"``).
+    (``fsync="never"``). ``memory_budget`` bounds the bytes buffered for all clients together
+    (requests not yet read whole, answers not yet taken); beyond it the connections holding the
+    most are dropped with an error. With ``budget_covers_process`` (``rdzv serve``: the process
+    is the server's alone) the budget also covers the process's memory when it started serving.
     """
 
     def __init__(
@@ -131,6 +135,8 @@ class StoreServer:
         data_dir: str | os.PathLike | None = None,
         fsync: str = "always",
         max_frame_size: int = P.DEFAULT_MAX_FRAME_SIZE,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        budget_covers_process: bool = False,
         sock: socket.socket | None = None,
     ) -> None:
         if host:  # (None or "": every interface)
@@ -146,6 +152,8 @@ class StoreServer:
         self._data_dir = data_dir
         self._fsync = fsync
         self._max_frame_size = max_frame_size
+        self._memory_budget = memory_budget
+        self._budget_covers_process = budget_covers_process
         self._sock = sock
         self._loop: EventLoop | None = None
         self._listener: _Listener | None = None
@@ -171,6 +179,15 @@ class StoreServer:
         if self._address is None:
             raise StoreError("the store server is not started")
         return self._address
+
+    def stats(self) -> dict[str, int]:
+        """The server's numbers now: ``connections``, ``sessions``, ``keys``; the memory budget
+        (``memory_budget``, the server's own ``memory_base`` at start), the bytes buffered for
+        clients (``buffered_bytes``: ``buffered_input_bytes`` + ``buffered_output_bytes``) and
+        the connections dropped to stay within it (``shed_connections``)."""
+        if self._core is None:
+            raise StoreError("the store server is not started")
+        return self._core.stats()
 
     @property
     def failed(self) -> BaseException | None:
@@ -249,7 +266,13 @@ class StoreServer:
                 state = self._wal.recover()
                 state.effects = []
             sock = self._sock if self._sock is not None else _listen_socket(self.host, self._port)
-            core = Core(loop, state, self._wal, self._secret, self._max_frame_size)
+            base = 0
+            if self._budget_covers_process:
+                return_freed_memory(pin=True)
+                base = resident_bytes()
+            core = Core(
+                loop, state, self._wal, self._secret, self._max_frame_size, self._memory_budget, base
+            )
             core.on_fatal = lambda exc: loop.stop()
             self._core = core
             self._listener = _Listener(core, sock)
@@ -267,6 +290,11 @@ class StoreServer:
             if self._data_dir is not None
             else "in memory",
             "shared-secret auth" if self._secret else "no auth",
+        )
+        budget = core.budget
+        log.info(
+            "memory budget %.1f MiB: the server takes %.1f MiB, client buffers up to %.1f MiB",
+            budget.limit / (1 << 20), budget.base / (1 << 20), budget.for_buffers / (1 << 20),
         )
         if state.session_ttls:
             log.info("recovered %d session(s); awaiting their clients", len(state.session_ttls))

@@ -21,9 +21,9 @@ from typing import NamedTuple, Union
 from ..errors import RendezvousStateError, StoreError
 from ..store._state import Delete, Effect, KVState, Put, SessionClose, SessionOpen
 
-FORMAT_VERSION = 2
-"""The version of the file format written (2 added SessionRequest records); files of a newer
-version are refused."""
+FORMAT_VERSION = 3
+"""The version of the file format written (2 added SessionRequest records, 3 the sessions'
+resume tokens); files of a newer version are refused."""
 
 LOG_MAGIC = b"RDZVWAL\x00"
 SNAPSHOT_MAGIC = b"RDZVSNP\x00"
@@ -36,7 +36,7 @@ _PUT, _DELETE, _SESSION_OPEN, _SESSION_CLOSE, _PATH_REVISION, _SNAPSHOT_META, _R
 _PUT_HEAD = struct.Struct("<BQQI")  # type, revision, session, key length; then key, value
 _TYPE_NUMBER = struct.Struct("<BQ")  # type, revision or session; for Delete and PathRevision
 # the key or path follows
-_SESSION_OPEN_BODY = struct.Struct("<BQd")  # type, session, ttl
+_SESSION_OPEN_BODY = struct.Struct("<BQd")  # type, session, ttl; then (format 3) the token
 _SNAPSHOT_META_BODY = struct.Struct("<BQQQQQ")  # type, revision, last session, counts x3
 _REQUEST_HEAD = struct.Struct("<BQIB")  # type, session, request id, has answer; then the answer
 
@@ -97,7 +97,8 @@ def encode(record: _Record) -> bytes:
     if isinstance(record, Delete):
         return _frame(_TYPE_NUMBER.pack(_DELETE, record.revision) + _text(record.key))
     if isinstance(record, SessionOpen):
-        return _frame(_SESSION_OPEN_BODY.pack(_SESSION_OPEN, record.session, record.ttl))
+        head = _SESSION_OPEN_BODY.pack(_SESSION_OPEN, record.session, record.ttl)
+        return _frame(head + record.token)
     if isinstance(record, SessionClose):
         return _frame(_TYPE_NUMBER.pack(_SESSION_CLOSE, record.session))
     if isinstance(record, SessionRequest):
@@ -121,7 +122,8 @@ def decode(payload: bytes) -> _Record:
             raise ValueError(f"key length {key_length} runs past the record")
         return Put(revision, _untext(payload[_PUT_HEAD.size : key_end]), payload[key_end:], session)
     if kind == _SESSION_OPEN:
-        return SessionOpen(*_SESSION_OPEN_BODY.unpack(payload)[1:])
+        _, session, ttl = _SESSION_OPEN_BODY.unpack_from(payload)
+        return SessionOpen(session, ttl, payload[_SESSION_OPEN_BODY.size :])
     if kind == _SESSION_CLOSE:
         return SessionClose(_TYPE_NUMBER.unpack(payload)[1])
     if kind in (_DELETE, _PATH_REVISION):
@@ -292,8 +294,9 @@ def write_snapshot(
         file.write(encode(meta))
         for key, value, session in items:
             file.write(encode(Put(state.path_revision(key), key, value, session)))
+        tokens = state.session_tokens
         for session, ttl in sessions.items():
-            file.write(encode(SessionOpen(session, ttl)))
+            file.write(encode(SessionOpen(session, ttl, tokens.get(session, b""))))
         for session, request in requests.items():
             if session in sessions:
                 file.write(encode(request))

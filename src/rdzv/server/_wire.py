@@ -13,12 +13,15 @@ from typing import Sequence
 from ..errors import StoreProtocolError
 
 MAGIC = b"RDZV"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: a session is resumed with the random token its WELCOME gave (version 1: by its id alone)."""
 DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
 HANDSHAKE_MAX_FRAME = 4096
 """Handshake frames are small; a longer one is garbage (or not an rdzv peer)."""
 NONCE_SIZE = 32
 MAC_SIZE = 32
+TOKEN_SIZE = 16
+"""Bytes of a session's resume token (random, given by the server at the session's creation)."""
 
 # -- opcodes ------------------------------------------------------------------------------------
 OP_PING = 1
@@ -90,6 +93,7 @@ E_VERSION = 5
 E_AUTH = 6
 E_INTERNAL = 7
 E_SESSION = 8
+E_BUSY = 9
 
 ERROR_NAMES = {
     E_BAD_REQUEST: "bad request",
@@ -100,6 +104,7 @@ ERROR_NAMES = {
     E_AUTH: "authentication failed",
     E_INTERNAL: "internal server error",
     E_SESSION: "session error",
+    E_BUSY: "server memory budget exceeded",
 }
 
 HS_OK = 0
@@ -137,9 +142,9 @@ _ADD = struct.Struct("<IBIqI")  # len, op, rid, amount, klen
 _CAS = struct.Struct("<IBIBII")  # len, op, rid, flags, klen, elen
 _WAIT_MS = struct.Struct("<I")
 _WATCH = struct.Struct("<IBIQI")  # len, op, rid, since, wait_ms
-_HELLO = struct.Struct("<4sHHdQ16s")
+_HELLO = struct.Struct("<4sHHdQ16s16s")  # magic, version, flags, ttl, resume, token, nonce
 _CHALLENGE = struct.Struct("<4sHBB")
-_WELCOME = struct.Struct("<BQBId")
+_WELCOME = struct.Struct("<BQBId16s")  # status, session, resumed, max frame, ttl, token
 _ERROR = struct.Struct("<IBIH")  # len, status, rid, code
 
 MAX_WAIT_MS = 0xFFFFFFFF

@@ -33,10 +33,12 @@ class Delete(NamedTuple):
 
 
 class SessionOpen(NamedTuple):
-    """Effect: session ``session`` was opened with a heartbeat time-to-live of ``ttl`` seconds."""
+    """Effect: session ``session`` was opened with a heartbeat time-to-live of ``ttl`` seconds
+    (and the ``token`` its owner resumes it with, on a store server)."""
 
     session: int
     ttl: float
+    token: bytes = b""
 
 
 class SessionClose(NamedTuple):
@@ -74,6 +76,8 @@ class KVState:
         self.revision = 0
         self.effects: list[Effect] | None = None
         self.session_ttls: dict[int, float] = {}
+        self.session_tokens: dict[int, bytes] = {}
+        """The resume token of each session that has one (store server sessions)."""
         self._last_session = 0
         self._data: dict[str, Entry] = {}
         self._path_revision: dict[str, int] = {}
@@ -176,12 +180,15 @@ class KVState:
         self._remove(key, self.revision)
         return [key]
 
-    def open_session(self, ttl: float) -> int:
-        """A new session id (never reused, also across recovery) with heartbeat ``ttl``."""
+    def open_session(self, ttl: float, token: bytes = b"") -> int:
+        """A new session id (never reused, also across recovery) with heartbeat ``ttl`` and
+        resume ``token`` (none if empty)."""
         self._last_session += 1
         self.session_ttls[self._last_session] = ttl
+        if token:
+            self.session_tokens[self._last_session] = token
         if self.effects is not None:
-            self.effects.append(SessionOpen(self._last_session, ttl))
+            self.effects.append(SessionOpen(self._last_session, ttl, token))
         return self._last_session
 
     def close_session(self, session: int) -> list[str]:
@@ -192,6 +199,7 @@ class KVState:
             for key in keys:
                 self._remove(key, self.revision)
         self._session_keys.pop(session, None)
+        self.session_tokens.pop(session, None)
         if self.session_ttls.pop(session, None) is not None and self.effects is not None:
             self.effects.append(SessionClose(session))
         return keys
@@ -201,10 +209,13 @@ class KVState:
         """Re-apply an effect recorded earlier (recovery), keeping its revision and ids."""
         if isinstance(effect, SessionOpen):
             self.session_ttls[effect.session] = effect.ttl
+            if effect.token:
+                self.session_tokens[effect.session] = effect.token
             self._last_session = max(self._last_session, effect.session)
             return
         if isinstance(effect, SessionClose):
             self.session_ttls.pop(effect.session, None)
+            self.session_tokens.pop(effect.session, None)
             return
         self.revision = max(self.revision, effect.revision)
         if isinstance(effect, Put):

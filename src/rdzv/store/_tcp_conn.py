@@ -1,4 +1,4 @@
-"""The TCPStore's connection: handshake, requests and answers, pipelining, reconnects, keepalive.
+"""The TCPStore's connection: requests and answers, pipelining, reconnects, keepalive.
 
 :class:`StoreConnection` is the half of :class:`~rdzv.store.TCPStore` that talks to the server:
 one blocking socket (``TCP_NODELAY``) under one lock. It sends a request and reads its answer,
@@ -6,15 +6,14 @@ sends the void writes without waiting (*pipelined*: their answers, or for quiet 
 to any later request, confirm them in order), re-establishes a lost connection within the call's
 timeout (resuming the session and resending every unconfirmed write, in order), and maps the
 server's errors to the rdzv error types. Its keepalive pings an idle connection (called every
-``session_ttl / 3`` seconds by the one keepalive thread of the process).
+``session_ttl / 3`` seconds by the one keepalive thread of the process). The handshake of each
+new connection is :mod:`._tcp_handshake`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -30,10 +29,10 @@ from ..errors import (
 )
 from ..server import _auth
 from ..server import protocol as P
+from ._tcp_handshake import HANDSHAKE_TIMEOUT, ClientHandshake, _ConnectionLost
 
 log = logging.getLogger("rdzv.store.tcp")
 
-HANDSHAKE_TIMEOUT = 10.0
 _MAX_BACKOFF = 1.0
 MAX_UNACKED_WRITES = 256
 """Pipelined writes a client may have unacknowledged before a write waits for their answers."""
@@ -42,12 +41,6 @@ MAX_UNACKED_BYTES = 4 << 20
 _RESP_unpack_from = P.RESP_HEAD.unpack_from
 _OK = P.STATUS_OK
 _monotonic = time.monotonic
-_SO_RCVTIMEO: int | None = getattr(socket, "SO_RCVTIMEO", None)
-_SO_SNDTIMEO: int | None = getattr(socket, "SO_SNDTIMEO", None)
-
-
-class _ConnectionLost(ConnectionError):
-    """The server closed the connection (internal: triggers a reconnect)."""
 
 
 def _describe(exc: BaseException | None, reply_timeout: float | None = None) -> str:
@@ -66,7 +59,7 @@ def _describe(exc: BaseException | None, reply_timeout: float | None = None) -> 
 
 
 
-class StoreConnection:
+class StoreConnection(ClientHandshake):
     """The connection half of :class:`~rdzv.store.TCPStore` (see the module docstring)."""
 
     _timeout: float
@@ -92,6 +85,8 @@ class StoreConnection:
         self._rbuf = b""
         self._rid = 0
         self._session = 0
+        self._token = b""
+        """The resume token of the session (the proof that it is this client's)."""
         self._had_ephemeral = False
         self._max_frame = P.DEFAULT_MAX_FRAME_SIZE
         self._closed = False
@@ -355,19 +350,6 @@ class StoreConnection:
             have += n
         return bytes(data)
 
-    @staticmethod
-    def _set_reply_timeout(sock: socket.socket, seconds: float) -> None:
-        if _SO_RCVTIMEO is not None and _SO_SNDTIMEO is not None:
-            sec = int(seconds)
-            tv = struct.pack("@ll", sec, int((seconds - sec) * 1e6))
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, _SO_RCVTIMEO, tv)
-                sock.setsockopt(socket.SOL_SOCKET, _SO_SNDTIMEO, tv)
-                return
-            except OSError:  # pragma: no cover - platform without timeval socket timeouts
-                pass
-        sock.settimeout(seconds)
-
     def _disconnect(self, why: BaseException | None = None) -> None:
         sock = self._sock
         self._sock = None
@@ -384,14 +366,6 @@ class StoreConnection:
             sock.close()
         except OSError:  # pragma: no cover
             pass
-
-    def _close_stale(self) -> None:
-        stale, self._stale = self._stale, None
-        if stale is not None:
-            try:
-                stale.close()
-            except OSError:  # pragma: no cover
-                pass
 
     def _connect(self, deadline: float, lost: BaseException | None) -> None:
         """Connect and handshake, retrying until ``deadline`` (a server may not be up yet)."""
@@ -437,89 +411,6 @@ class StoreConnection:
                 ) from last
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, _MAX_BACKOFF)
-
-    def _handshake(self, sock: socket.socket, deadline: float) -> None:
-        addr = f"{self._host}:{self._port}"
-        sock.settimeout(max(0.05, min(deadline - _monotonic(), HANDSHAKE_TIMEOUT)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = os.urandom(16)
-        secret = self._secret
-        sock.sendall(P.encode_hello(self._ttl, self._session, nonce, secret is not None))
-        try:
-            challenge = P.decode_challenge(self._recv_handshake(sock))
-        except P.ProtocolError as exc:
-            raise StoreProtocolError(f"{addr} is not an rdzv store server: {exc}") from None
-        if challenge.status == P.HS_VERSION_MISMATCH:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {challenge.message}")
-        if challenge.status != P.HS_OK:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {challenge.message}")
-        if secret is not None and not challenge.auth_required:
-            raise StoreAuthenticationError(
-                f"this client has a shared secret but the store server at {addr} requires none; "
-                "refusing to use an unauthenticated server"
-            )
-        mac = _auth.client_proof(secret, nonce, challenge.nonce) if secret is not None else b""
-        sock.sendall(P.encode_auth(mac))
-        try:
-            welcome = P.decode_welcome(self._recv_handshake(sock))
-        except P.ProtocolError as exc:
-            raise StoreProtocolError(f"bad handshake from the store server at {addr}: {exc}") from None
-        if welcome.status == P.HS_AUTH_FAILED:
-            hint = "" if secret is not None else " (pass secret= or set $RDZV_STORE_SECRET)"
-            raise StoreAuthenticationError(
-                f"the store server at {addr} refused this client: {welcome.message}{hint}"
-            )
-        if welcome.status != P.HS_OK:
-            raise StoreProtocolError(f"the store server at {addr} refused this client: {welcome.message}")
-        if secret is not None and not _auth.verify(
-            _auth.server_proof(secret, nonce, challenge.nonce), welcome.proof
-        ):
-            raise StoreAuthenticationError(
-                f"the store server at {addr} could not prove that it knows the shared secret"
-            )
-        sock.settimeout(None)
-        self._set_reply_timeout(sock, self._reply_timeout)
-        old = self._session
-        if old and not welcome.resumed:  # the old session's ephemeral writes died with it
-            self._drop_unacked_ephemeral()
-        if self._unacked:  # resent first, in order: the server applies each at most once
-            sock.sendall(b"".join([f for _, f, _, _ in self._unacked]))
-        self._close_stale()  # the server moved the session to this connection
-        self._sock = sock
-        self._rbuf = b""
-        self._session = welcome.session
-        self._max_frame = welcome.max_frame_size
-        if old and not welcome.resumed:
-            log.warning(
-                "store session %d at %s ended while disconnected; continuing in session %d",
-                old,
-                addr,
-                welcome.session,
-            )
-            if self._had_ephemeral:
-                self._had_ephemeral = False
-                raise SessionExpiredError(
-                    f"the session {old} of this client at the store server {addr} expired while "
-                    f"disconnected, and its ephemeral keys with it (now in session {welcome.session})"
-                )
-        elif old:
-            log.info("resumed store session %d at %s", old, addr)
-
-    @staticmethod
-    def _recv_handshake(sock: socket.socket) -> bytes:
-        def exactly(n: int) -> bytes:
-            data = b""
-            while len(data) < n:
-                chunk = sock.recv(n - len(data))
-                if not chunk:
-                    raise _ConnectionLost("the server closed the connection during the handshake")
-                data += chunk
-            return data
-
-        (length,) = P.LEN.unpack(exactly(4))
-        if length > P.HANDSHAKE_MAX_FRAME:
-            raise P.ProtocolError(f"handshake frame of {length} bytes")
-        return exactly(length)
 
     def _error(self, status: int, payload: bytes, what: str, key: str | None) -> StoreError:
         about = f"{what}({key!r})" if key is not None else what

@@ -1,0 +1,79 @@
+"""A real agent whose store session expires while it shares its worker counts, right after a
+round formed (it was SIGSTOPped past its session ttl just then): it re-forms, not exit 1.
+
+The other node of the run is this test, joining through the library's own rendezvous handler,
+so that it can seal the round at the moment the agent is stopped. The store is a standalone
+``python -m rdzv serve``, so that stopping the agent stops no server.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from _agents import JOIN, wait_for
+from _launcher import PYTHON, Launcher, free_port
+
+from rdzv.agent._round import assign
+from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
+from rdzv.rendezvous._layout import RunKeys
+from rdzv.store import TCPStore
+
+pytestmark = pytest.mark.timeout(600)
+
+HEARTBEAT, MISSES = 2.0, 3
+"""The run's session ttl is 6 s; an idle client waits on the server in 2 s chunks."""
+
+
+def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
+    agents: Any, tmp_path: Any
+) -> None:
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    servers = Launcher(tmp_path, "server")
+    try:
+        server = servers.start([PYTHON, "-m", "rdzv", "serve", "--host", "127.0.0.1",
+                                "--port", str(port)])
+        wait_for(lambda: "listening on" in server.output(), JOIN, "the store server")
+        conf = f"heartbeat_interval={HEARTBEAT},heartbeat_misses={MISSES},is_host=0"
+        node = agents.start([
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "tcp",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf,
+            "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"),
+            "--stop-timeout", "5", PYTHON, "-c", "import time; time.sleep(600)",
+        ])
+        observer = TCPStore("127.0.0.1", port, timeout=30)
+        joined = RunKeys("job").nodes(0)
+        wait_for(lambda: observer.count_keys(joined) == 1, JOIN, "the agent joined round 0")
+        time.sleep(0.5)  # it waits on the server for the round (a 2 s chunk)
+        node.signal(signal.SIGSTOP)
+        me = get_rendezvous_handler(RendezvousParameters(
+            "tcp", endpoint, "job", 2, 2, heartbeat_interval=HEARTBEAT, heartbeat_misses=MISSES,
+            is_host=False,
+        ))
+        info = me.next_rendezvous()  # seals round 0 with the stopped agent: its answer waits
+        assert info.world_size == 2
+        # The agent's session ends 6 s after its last request; then it may go on.
+        wait_for(lambda: observer.count_keys(joined) <= 1, JOIN, "the agent's session expired")
+        time.sleep(1.0)
+        node.signal(signal.SIGCONT)
+        wait_for(lambda: "re-forming" in node.output() or node.process.poll() is not None,
+                 JOIN, "the agent to react")
+        assert node.process.poll() is None, node.output()
+        info = me.next_rendezvous()  # round 1, with the agent back in it
+        assert info.world_size == 2
+        assign(info, me, 1, "default", "127.0.0.1", 60.0, 0.0)
+        wait_for(lambda: "round complete: 2 node(s)" in node.output(), JOIN,
+                 "the agent's workers in the new round")
+        text = node.output()
+        assert "round formed" in text.split("re-forming")[0], text  # it expired after the round
+        assert "SessionExpiredError" not in text.split("round complete")[-1], text
+        node.signal(signal.SIGTERM)
+        assert node.wait() == 128 + signal.SIGTERM, node.output()
+        me.shutdown()
+        observer.close()
+    finally:
+        servers.kill_all()
