@@ -330,7 +330,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"(--step-sleep {args.step_sleep}); max gap before: longest gap in the 20 steps before "
           f"(checkpoint writes). leaver exit: the SIGTERMed launcher's exit code. x row 1: pause / pause of the first launcher of the same change "
           f"and model. Median of {args.repeat} run(s); 1 worker per node, gloo on CPU, "
-          f"{os.cpu_count()} CPUs shared with other work.")
+          f"{os.cpu_count()} CPUs shared with other work (load average at the end: "
+          f"{os.getloadavg()[1]:.1f} over 5 min).")
     if not args.restart_flag:
         print("rdzv-restart: `rdzv run` has no --restart-on-change yet: plain `rdzv run` "
               "(which restarts the workers today), so rows rdzv and rdzv-restart measure the same.")
@@ -352,7 +353,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds slept per step")
     parser.add_argument("--warm", type=int, default=20, help="steps before a change")
     parser.add_argument("--after", type=int, default=20, help="steps at the new world size that end a window")
-    parser.add_argument("--phase-timeout", type=float, default=180.0,
+    parser.add_argument("--phase-timeout", type=float, default=120.0,
                         help="seconds one phase (start, change) may take before it counts as failed")
     args = parser.parse_args()
     launchers = [name.strip() for name in args.launchers.split(",") if name.strip()]
