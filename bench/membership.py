@@ -1,0 +1,411 @@
+"""Membership changes while training: how long rank 0's training stops, per launcher, in one table.
+
+Run: ``.venv/bin/python bench/membership.py [--repeat 1] [--model-mb 0,200]
+[--launchers rdzv,rdzv-restart,torchrun-rdzv-tcp,torchrun-c10d] [--json out.json]``
+
+The workload is ``examples/elastic_train.py`` (DDP on gloo, CPU) with one worker per node, every
+node a real launcher process on 127.0.0.1 with ``--nnodes 1:3 --nproc-per-node 1``. Rank 0 appends
+one JSON line per step to a progress file (``--log-every 1``: step, world size, loss, wall-clock
+time after the step's all_reduce); it checkpoints every ``--save-every`` steps (default 10) and a
+restarted worker resumes from the last checkpoint. ``--step-sleep`` (default 0.05 s) brings a step
+to about 60 ms on a 2-core machine; the table shows the measured step.
+
+One job per (launcher, model size, repeat): nodes 1 and 2 start together (node 1 hosts the
+rendezvous store, ``is_host``); after some steps at world size 2 a third node is started
+(scale-out); after some steps at world size 3 the third node's launcher gets SIGTERM (graceful
+scale-in). Each change is triggered half a checkpoint interval after a checkpoint (step %
+save_every == save_every // 2), so a restart redoes that half interval plus the steps run while it
+is under way. If the job never reached world size 3, scale-in is measured on a fresh job whose
+three nodes start together. For each change, from its trigger (the third launcher spawned / SIGTERM
+sent) until ``--after`` steps were logged at the new world size, the bench measures the
+pause (the longest gap between the times of two consecutive progress lines, counting from the
+last line before the trigger), redone (lines whose step number was already seen: work lost to a
+restart) and to new world (from the trigger to the first step at the new world size).
+
+Launchers (the first is the reference of the ratio column, per change and model size):
+
+* ``rdzv``: ``rdzv run`` (workers that use rdzv's in-process API switch without a restart);
+* ``rdzv-restart``: ``rdzv run --restart-on-change`` (stop and restart the workers on every change;
+  while ``rdzv run`` has no such flag, plain ``rdzv run``, which restarts);
+* ``torchrun-rdzv-tcp``: torchrun with rdzv's plugin; ``torchrun-c10d``: torchrun with torch's own.
+
+Every launcher gets ``--monitor-interval 0.1 --max-restarts 3`` and ``--rdzv-conf
+last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3`` (torch's c10d takes whole
+seconds only: 1 s is its fastest last call); ``rdzv run`` also ``--stop-timeout 5``. Every process
+the bench starts (launchers and all their descendants) is killed by pid at the end of each job,
+also on an error or Ctrl-C. This machine is shared: absolute times are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HOST = "127.0.0.1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "elastic_train.py")
+LAUNCHERS = ("rdzv", "rdzv-restart", "torchrun-rdzv-tcp", "torchrun-c10d")
+CHANGES = ("scale-out", "scale-in")
+CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+POLL = 0.01
+"""Seconds between two looks at the progress file."""
+
+
+class KilledFromOutside(Exception):
+    """A launcher died of a SIGKILL the bench did not send (another user's cleanup on a shared
+    machine): the job is run again."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def restart_flag_exists() -> bool:
+    """Whether ``rdzv run`` has ``--restart-on-change`` (the lead is adding it)."""
+    text = subprocess.run([sys.executable, "-m", "rdzv.run", "--help"], capture_output=True,
+                          text=True, timeout=60).stdout
+    return "--restart-on-change" in text
+
+
+def launcher_command(launcher: str, model_mb: float, port: int, node: int, work: str,
+                     args: argparse.Namespace) -> list[str]:
+    """Node ``node``'s launcher command line (node 0 hosts the rendezvous store)."""
+    common = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-id", "bench",
+              "--rdzv-endpoint", f"{HOST}:{port}", "--local-addr", HOST, "--max-restarts", "3",
+              "--monitor-interval", "0.1", "--rdzv-conf", f"{CONF},is_host={str(node == 0).lower()}",
+              "--log-dir", os.path.join(work, f"logs{node}")]
+    if launcher.startswith("rdzv"):
+        head = [sys.executable, "-m", "rdzv.run", "--rdzv-backend", "tcp", "--stop-timeout", "5"]
+        if launcher == "rdzv-restart" and args.restart_flag:
+            head.append("--restart-on-change")
+    else:
+        backend = "c10d" if launcher == "torchrun-c10d" else "rdzv-tcp"
+        head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", backend]
+    return head + common + [
+        EXAMPLE, "--steps", "1000000", "--checkpoint", os.path.join(work, "model.ckpt"),
+        "--save-every", str(args.save_every), "--log-every", "1",
+        "--progress", os.path.join(work, "progress.jsonl"),
+        "--step-sleep", str(args.step_sleep), "--model-mb", str(model_mb)]
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (tells a pid apart from a later process reusing it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Job:
+    """The launchers of one job, their logs and progress file in ``work``; kills them all by pid."""
+
+    def __init__(self, launcher: str, model_mb: float, work: str, args: argparse.Namespace) -> None:
+        self.launcher, self.model_mb, self.work, self.args = launcher, model_mb, work, args
+        self.port = free_port()
+        self.nodes: list[subprocess.Popen[bytes]] = []
+        self.terminated: set[int] = set()
+        self.known: dict[int, int | None] = {}  # every pid started, directly or not -> start time
+        self.progress = os.path.join(work, "progress.jsonl")
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def start(self) -> float:
+        """Start the next node (the first hosts the store); the wall-clock instant of the spawn."""
+        node = len(self.nodes)
+        command = launcher_command(self.launcher, self.model_mb, self.port, node, self.work, self.args)
+        with open(os.path.join(self.work, f"node{node}.log"), "wb") as log:
+            spawned = time.time()
+            self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, cwd=self.work,
+                                               env=self.env, start_new_session=True))
+        self.known[self.nodes[-1].pid] = proc_start_time(self.nodes[-1].pid)
+        return spawned
+
+    def sigterm(self, node: int) -> float:
+        self.track()
+        self.terminated.add(node)
+        sent = time.time()
+        self.nodes[node].send_signal(signal.SIGTERM)
+        return sent
+
+    def track(self) -> None:
+        """Remember every live descendant of the launchers (torchrun's and rdzv's workers run in
+        sessions of their own, so a process group kill would miss them)."""
+        parents: dict[int, list[int]] = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as handle:
+                        ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                parents.setdefault(ppid, []).append(int(name))
+        todo = [p.pid for p in self.nodes]
+        while todo:
+            for child in parents.get(todo.pop(), []):
+                if child not in self.known:
+                    self.known[child] = proc_start_time(child)
+                    todo.append(child)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Rank 0's progress so far (complete lines: the last one may be half written)."""
+        if not os.path.exists(self.progress):
+            return []
+        with open(self.progress) as handle:
+            return [json.loads(line) for line in handle.read().split("\n")[:-1]]
+
+    def failure(self) -> str | None:
+        """Why the job cannot go on: a launcher not told to stop has exited (its last error)."""
+        for node, process in enumerate(self.nodes):
+            if node not in self.terminated and process.poll() is not None:
+                if process.returncode == -signal.SIGKILL:
+                    raise KilledFromOutside(f"node {node + 1}'s launcher was SIGKILLed from outside")
+                with open(os.path.join(self.work, f"node{node}.log"), errors="replace") as log:
+                    text = log.read()
+                errors = re.findall(r"\b(\w*(?:Error|Exception): \S[^\n]*)", text)
+                reason = errors[-1].strip() if errors else "no error message"
+                return f"node {node + 1} exited {process.returncode}: {reason[:160]}"
+        return None
+
+    def wait_steps(self, world: int, count: int, after: float, timeout: float,
+                   phase: int | None = None) -> list[dict[str, Any]]:
+        """The progress once ``count`` steps logged after ``after`` ran at ``world`` (and, with
+        ``phase``, the last step is ``phase`` steps past a checkpoint); RuntimeError if a launcher
+        fails or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        next_track = 0.0
+        while time.monotonic() < deadline:
+            entries = self.entries()
+            if (sum(e["world_size"] == world and e["time"] > after for e in entries) >= count
+                    and (phase is None or entries[-1]["step"] % self.args.save_every == phase)):
+                return entries
+            if time.monotonic() >= next_track:
+                self.track()
+                next_track = time.monotonic() + 0.5
+            reason = self.failure()
+            if reason:
+                raise RuntimeError(reason)
+            time.sleep(POLL)
+        last = self.entries()[-1:] or [{"step": None, "world_size": None, "time": time.time()}]
+        raise RuntimeError(f"no {count} steps at world size {world} within {timeout:g} s (last step "
+                           f"logged: {last[0]['step']} at world size {last[0]['world_size']}, "
+                           f"{time.time() - last[0]['time']:.0f} s before)")
+
+    def stop(self) -> None:
+        self.track()
+        for pid, started in self.known.items():
+            if started is not None and proc_start_time(pid) == started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for process in self.nodes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                print(f"warning: launcher pid {process.pid} still there after SIGKILL", file=sys.stderr)
+
+
+def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: int) -> dict[str, Any]:
+    """Pause, steps redone and time to the new world of the change triggered at ``trigger``."""
+    before = [i for i, e in enumerate(entries) if e["time"] <= trigger]
+    first = before[-1] if before else 0
+    new = [i for i in range(first + 1, len(entries)) if entries[i]["world_size"] == world
+           and entries[i]["time"] > trigger]
+    window = entries[first:new[after - 1] + 1]
+    times = [e["time"] for e in window]
+    seen = max((e["step"] for e in entries[:first + 1]), default=0)
+    redone = 0
+    for entry in window[1:]:
+        redone += entry["step"] <= seen
+        seen = max(seen, entry["step"])
+    steady = [b["time"] - a["time"] for a, b in zip(entries[:first + 1], entries[1:first + 1])
+              if a["world_size"] == b["world_size"] == entries[first]["world_size"]][-20:]
+    return {"pause": max(b - a for a, b in zip(times, times[1:])), "redone": redone,
+            "to_world": entries[new[0]]["time"] - trigger,
+            "step": statistics.median(steady) if steady else None,
+            "steady_max": max(steady) if steady else None}
+
+
+def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Scale-out then scale-in on one job (or on a fresh 3-node job if scale-out failed)."""
+    results: dict[str, dict[str, Any]] = {}
+    timeout = args.phase_timeout
+    jobs: list[Job] = []
+    with tempfile.TemporaryDirectory(prefix="rdzv-bench-membership-") as temporary:
+        work = tempfile.mkdtemp(prefix=f"{launcher}-{model_mb:g}MB-", dir=args.keep or temporary)
+        try:
+            jobs.append(Job(launcher, model_mb, work, args))
+            job = jobs[0]
+            try:
+                job.start()
+                job.start()
+                job.wait_steps(2, args.warm, 0.0, timeout, args.save_every // 2)
+                trigger = job.start()
+                entries = job.wait_steps(3, args.after, trigger, timeout)
+                results["scale-out"] = measure(entries, trigger, 3, args.after)
+            except RuntimeError as exc:
+                results["scale-out"] = {"failed": str(exc)}
+                trigger = 0.0
+                job.stop()
+                os.mkdir(os.path.join(work, "fresh"))
+                jobs.append(Job(launcher, model_mb, os.path.join(work, "fresh"), args))
+                job = jobs[1]
+                for _ in range(3):
+                    job.start()
+            try:
+                job.wait_steps(3, args.warm, trigger, timeout, args.save_every // 2)
+                trigger = job.sigterm(2)
+                entries = job.wait_steps(2, args.after, trigger, timeout)
+                results["scale-in"] = measure(entries, trigger, 2, args.after)
+                job.nodes[2].wait(timeout)
+                results["scale-in"]["leaver_exit"] = job.nodes[2].returncode
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                fresh = " (on a fresh 3-node job)" if len(jobs) > 1 else ""
+                results.setdefault("scale-in", {})["failed"] = f"{exc}{fresh}"
+        finally:
+            for job in jobs:
+                job.stop()
+    return results
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the repeats that worked; the failures' messages."""
+    good = [r for r in runs if "failed" not in r]
+    out: dict[str, Any] = {"runs": runs, "failures": [r["failed"] for r in runs if "failed" in r]}
+    for key in ("pause", "redone", "to_world", "step", "steady_max"):
+        values = [r[key] for r in good if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def fmt(seconds: float | None, unit: str = "s") -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.0f} ms" if unit == "ms" else f"{seconds:.2f} s"
+
+
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    head = ["change", "launcher", "model", "pause", "x row 1", "redone", "to new world",
+            "step", "max gap before", "leaver exit"]
+    lines, notes, reference = [], [], {}
+    for row in rows:
+        group = (row["change"], row["model_mb"])
+        cell = row["result"]
+        failed = cell["pause"] is None
+        if cell["failures"]:
+            notes.append(f"{row['launcher']}, {row['change']}, {row['model_mb']:g} MB: "
+                         f"{len(cell['failures'])}/{len(cell['runs'])} failed: {cell['failures'][0]}")
+        ref = reference.setdefault(group, cell["pause"])
+        ratio = f"{cell['pause'] / ref:.2f}x" if ref and not failed else "-"
+        lines.append([row["change"], row["launcher"], f"{row['model_mb']:g} MB",
+                      f"FAILED [{len(notes)}]" if failed else fmt(cell["pause"]), ratio,
+                      "-" if failed else f"{cell['redone']:g}", fmt(cell["to_world"]),
+                      fmt(cell["step"], "ms"), fmt(cell["steady_max"]),
+                      " ".join(str(r.get("leaver_exit", "-")) for r in cell["runs"])])
+    widths = [max(len(str(x)) for x in column) for column in zip(head, *lines)]
+    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for line in lines:
+        print(" | ".join(str(x).ljust(w) for x, w in zip(line, widths)))
+    print()
+    print(f"pause: longest gap between rank 0's consecutive step completions (wall clock after the "
+          f"step's all_reduce), from the last step before the trigger until {args.after} steps at "
+          f"the new world size; trigger: scale-out = third launcher spawned (2 -> 3 nodes), "
+          f"scale-in = SIGTERM to the third node's launcher (3 -> 2). redone: steps run again "
+          f"(resumed from the checkpoint, --save-every {args.save_every}). to new world: trigger "
+          f"-> first step at the new world size. step: median step interval before the change "
+          f"(--step-sleep {args.step_sleep}); max gap before: longest gap in the 20 steps before "
+          f"(checkpoint writes). leaver exit: the SIGTERMed launcher's exit code. x row 1: pause / pause of the first launcher of the same change "
+          f"and model. Median of {args.repeat} run(s); 1 worker per node, gloo on CPU, "
+          f"{os.cpu_count()} CPUs shared with other work (load average at the end: "
+          f"{os.getloadavg()[1]:.1f} over 5 min).")
+    if not args.restart_flag:
+        print("rdzv-restart: `rdzv run` has no --restart-on-change yet: plain `rdzv run` "
+              "(which restarts the workers today), so rows rdzv and rdzv-restart measure the same.")
+    for number, note in enumerate(notes, 1):
+        print(f"[{number}] {note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=1, help="jobs per launcher and model size")
+    parser.add_argument("--model-mb", default="0,200",
+                        help="comma-separated sizes of the example's frozen weights (MB)")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS),
+                        help=f"comma-separated subset of {', '.join(LAUNCHERS)} (first = ratio reference)")
+    parser.add_argument("--keep", metavar="DIR", help="keep each job's logs and progress in DIR")
+    parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON ('-': stdout)")
+    parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds slept per step")
+    parser.add_argument("--warm", type=int, default=20, help="steps before a change")
+    parser.add_argument("--after", type=int, default=20, help="steps at the new world size that end a window")
+    parser.add_argument("--phase-timeout", type=float, default=120.0,
+                        help="seconds one phase (start, change) may take before it counts as failed")
+    args = parser.parse_args()
+    launchers = [name.strip() for name in args.launchers.split(",") if name.strip()]
+    unknown = [name for name in launchers if name not in LAUNCHERS]
+    if unknown or not launchers:
+        parser.error(f"--launchers: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(LAUNCHERS)}")
+    try:
+        sizes = [float(size) for size in args.model_mb.split(",")]
+    except ValueError:
+        parser.error(f"--model-mb: {args.model_mb!r} is not a comma-separated list of numbers, e.g. 0,200")
+    if args.repeat < 1 or args.warm < 1 or args.after < 1:
+        parser.error("--repeat, --warm and --after must be at least 1")
+    args.restart_flag = restart_flag_exists()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or kill: clean up, even if started
+        signal.signal(signum, signal.default_int_handler)  # with SIGINT ignored (nohup, &)
+
+    runs: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    outside_kills: list[str] = []
+    for repeat in range(args.repeat):  # interleaved: background load hits every launcher alike
+        for size in sizes:
+            for launcher in launchers:
+                print(f"run {repeat + 1}/{args.repeat}: {launcher}, {size:g} MB ...",
+                      file=sys.stderr, flush=True)
+                for attempt in range(3):
+                    try:
+                        results = run_job(launcher, size, args)
+                        break
+                    except KilledFromOutside as exc:
+                        print(f"{exc}: running the job again", file=sys.stderr, flush=True)
+                        outside_kills.append(f"{launcher}, {size:g} MB, run {repeat + 1}: {exc}")
+                        results = {change: {"failed": f"{exc}, 3 times"} for change in CHANGES}
+                for change, result in results.items():
+                    runs.setdefault((change, size, launcher), []).append(result)
+    rows = [{"change": change, "model_mb": size, "launcher": launcher,
+             "result": summarize(runs[(change, size, launcher)])}
+            for change in CHANGES for size in sizes for launcher in launchers]
+    print_table(rows, args)
+    for kill in outside_kills:
+        print(f"job run again: {kill} (not by the bench)")
+    if args.json:
+        text = json.dumps({"rows": rows, "restart_flag": args.restart_flag,
+                           "step_sleep": args.step_sleep, "save_every": args.save_every}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as handle:
+                handle.write(text + "\n")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: every process the bench started has been stopped")
