@@ -9,7 +9,10 @@ from rdzv.rendezvous._decisions import (
     RoundRules,
     RoundView,
     decide,
+    is_spare,
+    join_deadline,
     membership_changed,
+    nodes_waiting,
     plan_ranks,
 )
 from rdzv.rendezvous._layout import NodeDescriptor
@@ -120,15 +123,46 @@ def test_plan_ranks(name, joiners, rules, expected):
 
 
 @pytest.mark.parametrize(
-    "closed, waiting, alive, world, newer, changed",
+    "closed, waiting, rejoined, alive, world, newer, changed",
     [
-        (False, 0, 4, 4, False, False),
-        (False, 1, 4, 4, False, True),
-        (False, 0, 3, 4, False, True),
-        (True, 0, 4, 4, False, True),
-        (False, 0, 4, 4, True, True),
-        (False, 0, 5, 4, False, False),  # a late joiner of the round has not moved on yet
+        (False, 0, 0, 4, 2, False, False),
+        (False, 1, 0, 2, 2, False, True),   # a newcomer, and room for it (max 4)
+        (False, 1, 0, 4, 4, False, False),  # a spare: the round is full, it waits quietly
+        (False, 2, 1, 4, 4, False, True),   # a member coming back (it restarts): re-form
+        (False, 1, 0, 3, 4, False, True),   # a member lost or leaving: the spare takes its place
+        (False, 0, 3, 4, 4, False, True),
+        (True, 0, 0, 4, 4, False, True),
+        (False, 0, 0, 4, 4, True, True),
+        (False, 0, 0, 5, 4, False, False),  # a late joiner of the round has not moved on yet
     ],
 )
-def test_membership_changed(closed, waiting, alive, world, newer, changed):
-    assert membership_changed(closed, waiting, alive, world, newer) is changed
+def test_membership_changed(closed, waiting, rejoined, alive, world, newer, changed):
+    assert membership_changed(closed, waiting, rejoined, alive, world, RULES.max_nodes,
+                              newer) is changed
+
+
+@pytest.mark.parametrize(
+    "waiting, rejoined, world, expected",
+    [(0, 0, 2, 0), (1, 0, 2, 1), (1, 0, 4, 0), (3, 1, 4, 1), (3, 1, 3, 3)],
+)
+def test_nodes_waiting_leaves_out_the_spares(waiting, rejoined, world, expected):
+    assert nodes_waiting(waiting, rejoined, world, RULES.max_nodes) == expected
+
+
+@pytest.mark.parametrize(
+    "name, observed, spare",
+    [
+        ("the running round is full and stays", view(alive=1, expected=4), True),
+        ("a member is coming back: the round is open", view(alive=2, rejoined=1, expected=4),
+         False),
+        ("the running round has room", view(alive=1, expected=3), False),
+        ("first round", view(alive=5), False),
+        ("sealed", view(sealed=True, expected=4), False),
+    ],
+)
+def test_a_spare_waits_without_a_deadline(name, observed, spare):
+    assert is_spare(observed, RULES) is spare, name
+    deadline = join_deadline(observed, RULES, DEADLINE + 5, DEADLINE, DEADLINE)
+    assert deadline == (DEADLINE + 5 + DEADLINE if spare else DEADLINE), name
+    if spare:  # past the join timeout all the same: it keeps waiting
+        assert decide(observed, RULES, DEADLINE + 5, deadline, None).action is Action.WAIT

@@ -8,15 +8,18 @@ from pathlib import Path
 
 import pytest
 from _launcher import EXAMPLES, PYTHON, Launcher, free_port
+from _waiting import eventually as wait_for
 
 from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous import registry as torch_registry
 
 import rdzv.torch
+from rdzv import StoreServer
 from rdzv.errors import RendezvousParameterError
 from rdzv.torch import TorchRendezvousHandler, TorchStore
 
 WORKER = str(Path(__file__).with_name("_allreduce.py"))
+AGENT_WORKER = str(Path(__file__).parent.parent / "agent" / "_worker.py")
 RUN_TIMEOUT = 240.0
 """Seconds for a whole torchrun job of 4 workers on a loaded 2-core machine."""
 
@@ -125,3 +128,30 @@ def test_example_trains_under_torchrun_and_resumes_from_its_checkpoint(
     second = run(40)
     assert "starting at step 20 with world size 2" in second and "done: 40 steps" in second
     assert "step 30 world_size 2 loss" in second
+
+
+def test_torchrun_with_a_spare_agent_runs_its_job_once(launcher: Launcher, tmp_path: Path) -> None:
+    """Three torchrun agents for at most two nodes: the third waits as a spare (torch's c10d
+    keeps such nodes in a redundancy list); the group of two is not re-formed for it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with StoreServer("127.0.0.1", 0) as server:  # outlives the agents, whichever ends first
+        argv = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
+                "1", "--rdzv-backend", "rdzv-tcp", "--rdzv-endpoint", f"127.0.0.1:{server.port}",
+                "--rdzv-id", "job", "--rdzv-conf", "last_call_timeout=1,heartbeat_interval=1",
+                "--local-addr", "127.0.0.1", "--max-restarts", "0", "--monitor-interval", "0.2",
+                AGENT_WORKER, str(out), "--sleep", "8"]
+        agents = [launcher.start(argv) for _ in range(3)]
+
+        def group_of_two() -> list[dict[str, str]] | None:
+            records = [json.loads(path.read_text()) for path in out.glob("*.json")]
+            pair = [r for r in records if r["WORLD_SIZE"] == "2"]
+            return pair if len(pair) == 2 else None
+
+        wait_for(group_of_two, RUN_TIMEOUT, "a group of two workers")
+        members = [a for a in agents if "worker rank" in a.output()]
+        assert len(members) == 2, [a.output()[-2000:] for a in agents]
+        assert [member.wait(RUN_TIMEOUT) for member in members] == [0, 0]
+        # The running pair was never re-formed for the spare: one group, started once.
+        records = [json.loads(path.read_text()) for path in out.glob("*.json")]
+        assert len([r for r in records if r["WORLD_SIZE"] == "2"]) == 2, records

@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 LEAVE_TIMEOUT = 30.0
 """Seconds the node serving the store waits for the others to leave a finished round."""
+SPARE_CHECK = 1.0
+"""Seconds between checks, while a round forms, whether this node waits as a spare."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,8 @@ class ElasticAgent:
     def switch_context(self) -> SwitchContext:
         config = self.config
         return SwitchContext(self.handler, self.link, config.nproc_per_node, config.role,
-                             self.host, config.switch_timeout, config.restart_on_change, self.say)
+                             self.host, config.max_nodes, config.switch_timeout,
+                             config.restart_on_change, self.say)
 
     def _run(self) -> int:
         config = self.config
@@ -209,7 +212,8 @@ class ElasticAgent:
             return info
         try:
             assignment = assign(info, self.handler, self.config.nproc_per_node, self.config.role,
-                                self.host, ASSIGN_TIMEOUT, time.monotonic() - joining)
+                                self.host, ASSIGN_TIMEOUT, time.monotonic() - joining,
+                                self.config.max_nodes)
             plan = start_round(self.switch_context(), info, assignment, None)
         except StoreTimeoutError as exc:
             self.say(f"a node of the new round did not answer ({exc}); re-forming")
@@ -269,15 +273,24 @@ class ElasticAgent:
         config = self.config
         self.say(f"waiting for nodes: {config.min_nodes}..{config.max_nodes} for run "
                  f"{config.run_id!r} ({config.rdzv_backend} {config.rdzv_endpoint})")
-        started = time.monotonic()
+        started = said = time.monotonic()
+        spare = False
         future = self.handler.next_rendezvous_async()
         future.add_done_callback(lambda f: self.events.put(RoundFormed(f)))
         while True:
             try:
-                event = self.events.get(timeout=PROGRESS_INTERVAL)
+                event = self.events.get(timeout=SPARE_CHECK)
             except queue.Empty:
-                self.say(f"still waiting for nodes: {self._joined()}{config.min_nodes}.."
-                         f"{config.max_nodes} ({time.monotonic() - started:.0f} s)")
+                if self.handler.is_spare() != spare:
+                    spare = not spare
+                    if spare:
+                        self.say(f"waiting as a spare: the job runs at its maximum of "
+                                 f"{config.max_nodes} node(s); this node takes the place of one "
+                                 "that leaves or is lost")
+                if not spare and time.monotonic() - said >= PROGRESS_INTERVAL:
+                    said = time.monotonic()
+                    self.say(f"still waiting for nodes: {self._joined()}{config.min_nodes}.."
+                             f"{config.max_nodes} ({time.monotonic() - started:.0f} s)")
                 continue
             if isinstance(event, Signalled):
                 self.say(f"{signal.Signals(event.signum).name} received while waiting for nodes: "
@@ -291,6 +304,9 @@ class ElasticAgent:
             self.say(f"asked to leave the run: {exc}")
             return 0
         except RendezvousClosedError as exc:
+            if spare and not self._failures_before:
+                self.say("the job finished without needing this spare node")
+                return 0
             if self._failures_before:
                 reason = f"the workers cannot restart: the rendezvous is closed ({exc})"
                 print(failure_summary(self._failures_before, reason), file=sys.stderr, flush=True)

@@ -116,10 +116,12 @@ def plan_assignments(nodes: list[tuple[int, str]]) -> list[dict[str, Any]]:
 
 
 def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: str,
-           host: str, timeout: float, join_seconds: float) -> Assignment:
+           host: str, timeout: float, join_seconds: float,
+           max_nodes: int | None = None) -> Assignment:
     """Exchange (nproc, role) through the round's store and return this node's assignment.
 
-    The entry also says who this node is and how long its join took, for ``rdzv status``.
+    The entry also says who this node is, how long its join took and the job's ``max_nodes``,
+    for ``rdzv status``.
 
     Raises:
         StoreTimeoutError: a node of the round did not write its entry (or rank 0 its answer)
@@ -131,7 +133,7 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     store.set_timeout(timeout)
     rank, size = info.rank, info.world_size
     entry = {"nproc": nproc, "role": role, "host": host, "pid": os.getpid(), "time": time.time(),
-             "join_s": round(join_seconds, 6)}
+             "join_s": round(join_seconds, 6), "max_nodes": max_nodes}
     store.set(f"{NODE_KEY}{rank}", json.dumps(entry))
     store.delete_key(f"{DONE_DIR}{rank}")  # a static node restarted after it had finished
     mark_alive(info)

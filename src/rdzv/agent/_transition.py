@@ -182,6 +182,7 @@ class SwitchContext:
     nproc: int
     role: str
     host: str
+    max_nodes: int
     switch_timeout: float
     restart_on_change: bool
     say: Callable[[str], None]
@@ -262,7 +263,7 @@ def member_transition(ctx: SwitchContext, old: RendezvousInfo, generation: int) 
     formed_ms = (time.monotonic() - started) * 1000
     try:
         assignment = assign(info, ctx.handler, ctx.nproc, ctx.role, ctx.host, ASSIGN_TIMEOUT,
-                            formed_ms / 1000)
+                            formed_ms / 1000, ctx.max_nodes)
         plan = start_round(ctx, info, assignment, old)
     except RendezvousError as exc:
         return TransitionDone(generation, info, error=exc, formed_ms=formed_ms)

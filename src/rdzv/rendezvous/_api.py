@@ -166,6 +166,12 @@ class RendezvousHandler(abc.ABC):
             time.sleep(min(_DEFAULT_POLL_INTERVAL, remaining))
         return True
 
+    def is_spare(self) -> bool:
+        """Whether this node, waiting in :meth:`next_rendezvous`, is a spare: the job runs at
+        its maximum size, and this node waits (without a deadline) to take the place of a
+        member that leaves or is lost. False where the backend has no spares."""
+        return False
+
     def announce_leaving(self) -> bool:
         """Tell the other members that this node leaves after its current round (graceful
         scale-in, e.g. on a preemption notice): they form the next round without waiting for

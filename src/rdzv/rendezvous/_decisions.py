@@ -12,7 +12,10 @@ Rules of a forming round r (torch's documented semantics, plus the re-rendezvous
   come back and ``alive >= min_nodes`` (the expected set is known: no last call is needed).
 * Otherwise, once ``alive >= min_nodes`` the round is **armed** and seals when
   ``last_call_timeout`` has passed on the observing node's own clock since it saw it armed.
-* Past the join deadline the node gives up (RendezvousTimeoutError).
+* Past the join deadline the node gives up (RendezvousTimeoutError), except a **spare**: a
+  node waiting while the running round is full (``max_nodes`` members, all alive, none coming
+  back) waits without a deadline, costs the running group nothing (members ignore newcomers that
+  cannot fit, :func:`membership_changed`), and joins the round after a member leaves or is lost.
 
 Rank rule (:func:`plan_ranks`): newcomers are ordered by host, pid and node id (as torch orders
 its node descriptors: nodes of one host get neighbouring ranks). With more than ``max_nodes``
@@ -84,6 +87,18 @@ def is_open(view: RoundView) -> bool:
     return view.rejoined > 0 or view.expected == 0
 
 
+def is_spare(view: RoundView, rules: RoundRules) -> bool:
+    """Whether a node waiting in this round is a spare: the running round is full and stays."""
+    return not view.closed and not view.sealed and not is_open(view) and (
+        view.expected >= rules.max_nodes)
+
+
+def join_deadline(view: RoundView, rules: RoundRules, now: float, deadline: float,
+                  join_timeout: float) -> float:
+    """The join deadline after this observation: a spare's starts again from now."""
+    return max(deadline, now + join_timeout) if is_spare(view, rules) else deadline
+
+
 def decide(
     view: RoundView, rules: RoundRules, now: float, deadline: float, armed_since: float | None
 ) -> Step:
@@ -138,16 +153,27 @@ def plan_ranks(joiners: Mapping[str, NodeDescriptor], rules: RoundRules) -> dict
     return ranks
 
 
-def membership_changed(closed: bool, waiting: int, alive_members: int, world_size: int,
-                       newer_round_sealed: bool) -> bool:
+def membership_changed(closed: bool, waiting: int, rejoined: int, alive_members: int,
+                       world_size: int, max_nodes: int, newer_round_sealed: bool) -> bool:
     """Whether a member of a completed round should re-rendezvous.
 
     ``waiting`` counts the joiners of the next round (newcomers and members already coming
-    back); ``alive_members`` the alive members of the round (a lost one lowers it).
+    back), ``rejoined`` the members among them; ``alive_members`` the alive members of the round
+    (a lost or leaving one lowers it). Newcomers count only if the round has room for them: a
+    full round ignores its spares until a member leaves or is lost.
     """
+    newcomers = waiting - rejoined
     return (
         closed
         or newer_round_sealed
-        or waiting > 0
+        or rejoined > 0
         or alive_members < world_size
+        or (newcomers > 0 and world_size < max_nodes)
     )
+
+
+def nodes_waiting(waiting: int, rejoined: int, world_size: int, max_nodes: int) -> int:
+    """What ``num_nodes_waiting()`` reports to a member: the joiners that would change its round
+    (members coming back, and newcomers while the round has room); spares do not count, as in
+    torch's c10d backend, whose agent restarts its workers whenever the count is positive."""
+    return rejoined + (waiting - rejoined if world_size < max_nodes else 0)

@@ -30,7 +30,17 @@ from ..errors import (
 )
 from ..store import PrefixStore, Store
 from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
-from ._decisions import Action, RoundRules, RoundView, decide, membership_changed, plan_ranks
+from ._decisions import (
+    Action,
+    RoundRules,
+    RoundView,
+    decide,
+    is_spare,
+    join_deadline,
+    membership_changed,
+    nodes_waiting,
+    plan_ranks,
+)
 from ._layout import (
     CLOSED_STATUS,
     Decision,
@@ -158,6 +168,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._garbage: list[str] = []
         """Keys no longer needed, deleted when this node next waits (off the critical path)."""
         self._lock = threading.Lock()
+        self._spare = False
+        """This node waits as a spare (the running round is full), as last observed."""
 
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -186,8 +198,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         store, member = self._query(), self._member
-        next_round = member.round + 1 if member else self._latest_sealed(store) + 1
-        return store.count_keys(self._keys.nodes(next_round))
+        if member is None:
+            return store.count_keys(self._keys.nodes(self._latest_sealed(store) + 1))
+        keys, next_round = self._keys, member.round + 1
+        reads = store.read_many([], [keys.nodes(next_round), keys.back_dir(next_round)])
+        return nodes_waiting(reads.counts[keys.nodes(next_round)],
+                             reads.counts[keys.back_dir(next_round)], member.world_size,
+                             self._rules.max_nodes)
+
+    def is_spare(self) -> bool:
+        return self._spare
 
     def next_rendezvous(self) -> RendezvousInfo:
         with self._lock:
@@ -304,6 +324,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
             first_look = None
             since = max(since, seen)
             now = time.monotonic()
+            deadline = join_deadline(view, self._rules, now, deadline, self._join_timeout)
+            if is_spare(view, self._rules) != self._spare:
+                self._spare = not self._spare
+                if self._spare:
+                    logger.info("rendezvous %s: %s waits as a spare for round %d",
+                                keys.run_id, self._node_id, r)
             step = decide(view, self._rules, now, deadline, armed_since)
             armed_since = step.armed_since
             woken = False
@@ -473,18 +499,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
         from one :meth:`Store.read_many`."""
         keys = self._keys
         next_round = member.round + 1
-        status, nodes, expect_dir = (
-            keys.status(next_round), keys.nodes(next_round), keys.expect_dir(next_round)
+        status, nodes, expect_dir, back_dir = (
+            keys.status(next_round), keys.nodes(next_round), keys.expect_dir(next_round),
+            keys.back_dir(next_round),
         )
         reads = self._store.read_many(
-            [status, keys.closed, keys.sealed], [nodes, expect_dir], revisions=[path]
+            [status, keys.closed, keys.sealed], [nodes, expect_dir, back_dir], revisions=[path]
         )
         latest_sealed = decode_int(keys.sealed, reads.values[keys.sealed], -1)
         return membership_changed(
             closed=reads.values[status] is not None or reads.values[keys.closed] is not None,
             waiting=reads.counts[nodes],
+            rejoined=reads.counts[back_dir],
             alive_members=reads.counts[expect_dir],
             world_size=member.world_size,
+            max_nodes=self._rules.max_nodes,
             newer_round_sealed=latest_sealed > member.round,
         ), reads.revisions[path]
 

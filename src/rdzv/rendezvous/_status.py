@@ -66,6 +66,17 @@ class RunStatus:
     armed: bool = False
     last_round_s: float | None = None
     """The longest join among the members of the last round (None: unknown)."""
+    max_nodes: int | None = None
+    """The job's maximum size, as its agents say (None: unknown)."""
+
+    @property
+    def spares(self) -> int:
+        """Nodes waiting that cannot join: the round is full and none of its members moves on."""
+        if self.max_nodes is None or self.world_size < self.max_nodes or self.rejoined:
+            return 0
+        if any(not m.alive or m.leaving for m in self.members):
+            return 0
+        return self.waiting
 
     @property
     def state(self) -> str:
@@ -73,12 +84,12 @@ class RunStatus:
             return "closed"
         if self.round is None:
             return "forming"
-        if self.waiting:
+        if self.waiting > self.spares:
             return "re-forming"
         return "complete"
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "state": self.state}
+        return {**asdict(self), "state": self.state, "spares": self.spares}
 
     def without_ages(self) -> dict[str, Any]:
         """:meth:`as_dict` less the ages that grow by themselves: equal means nothing happened."""
@@ -159,8 +170,11 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
         ))
     members.sort(key=lambda m: m.rank)
     joins = [m.join_s for m in members if isinstance(m.join_s, (int, float))]
+    maxima = {e.get("max_nodes") for e in agents.values()} - {None}
     return RunStatus(round=sealed, world_size=world_size, master=master, members=members,
-                     last_round_s=max(joins) if joins else None, **common)  # type: ignore[arg-type]
+                     last_round_s=max(joins) if joins else None,
+                     max_nodes=maxima.pop() if len(maxima) == 1 else None,
+                     **common)  # type: ignore[arg-type]
 
 
 def format_status(status: RunStatus) -> str:
@@ -182,7 +196,11 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"  {member.rank:>4}  {_liveness(member, status):7}  "
                      f"{member.host or '?':24} {member.pid or '?':>8}  "
                      f"{member.nproc or '?':>7}  {up:>8}  {seen:>8}")
-    if status.waiting:
+    if status.spares:
+        lines.append(f"  {status.spares} spare node(s) waiting: the job runs at its maximum of "
+                     f"{status.max_nodes}; a spare takes the place of a member that leaves or "
+                     "is lost")
+    elif status.waiting:
         lines.append(f"  {status.waiting} node(s) waiting in round {status.forming_round} "
                      f"({status.rejoined} of them members coming back)")
     return "\n".join(lines)

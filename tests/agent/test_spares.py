@@ -1,0 +1,57 @@
+"""More nodes than ``max_nodes``: the extra ones wait quietly as spares (no livelock), and a spare
+takes the place of a member that is lost. Real agents on loopback, tcp and file backends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from _agents import wait_for, worker_records
+
+pytestmark = pytest.mark.timeout(600)
+
+JOB_SECONDS = 8.0
+
+
+def test_three_agents_with_two_places_finish_an_8_s_job_in_about_8_s(agents: Any,
+                                                                     rdzv: Any) -> None:
+    args = rdzv.args("1:2", 1) + rdzv.worker("--sleep", str(JOB_SECONDS))
+    started = time.monotonic()
+    nodes = rdzv.start(agents, 3, args)
+    codes = [node.wait() for node in nodes]
+    took = time.monotonic() - started
+    outputs = "".join(node.output() for node in nodes)
+    assert codes == [0, 0, 0], outputs[-6000:]
+    spares = [node for node in nodes if "waiting as a spare" in node.output()]
+    assert len(spares) == 1, outputs[-6000:]
+    assert "the job finished without needing this spare node" in spares[0].output()
+    records = worker_records(str(rdzv.out))
+    assert len(records) == 2, records  # one group of two, started once: no re-forming
+    assert {r["WORLD_SIZE"] for r in records} == {"2"}
+    assert took < JOB_SECONDS + 60, took  # the livelock ran until the test's timeout
+
+
+def test_a_spare_takes_the_place_of_a_killed_member(agents: Any, rdzv: Any) -> None:
+    args = rdzv.until_stopped("1:2", 1)
+    nodes = rdzv.start(agents, 2, args)
+    first_group = rdzv.running(2)
+    spare = agents.start(args)
+    wait_for(lambda: "waiting as a spare" in spare.output(), 120, "the spare")
+    assert len(worker_records(str(rdzv.out))) == 2  # the running group was not disturbed
+    victim = nodes[1]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+
+    def replaced() -> list[dict[str, Any]] | None:
+        group = [r for r in worker_records(str(rdzv.out))
+                 if r not in first_group and r["WORLD_SIZE"] == "2"]
+        return group if len(group) == 2 else None
+
+    group = wait_for(replaced, 120, "a group of two with the spare")
+    spare_ranks = [r for r in group if "started 1 worker" in spare.output()]
+    assert spare_ranks, spare.output()
+    rdzv.stop()
+    assert [nodes[0].wait(), spare.wait()] == [0, 0], nodes[0].output()[-4000:]
