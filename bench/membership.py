@@ -19,14 +19,15 @@ is under way. If the job never reached world size 3, scale-in is measured on a f
 three nodes start together. For each change, from its trigger (the third launcher spawned / SIGTERM
 sent) until ``--after`` steps were logged at the new world size, the bench measures the
 pause (the longest gap between the times of two consecutive progress lines, counting from the
-last line before the trigger), redone (lines whose step number was already seen: work lost to a
+last line before the trigger, leaving out rank 0's checkpoint writes between two steps of one
+group, which every launcher pays alike), redone (lines whose step number was already seen: work lost to a
 restart) and to new world (from the trigger to the first step at the new world size).
 
 Launchers (the first is the reference of the ratio column, per change and model size):
 
 * ``rdzv``: ``rdzv run`` (workers that use rdzv's in-process API switch without a restart);
-* ``rdzv-restart``: ``rdzv run --restart-on-change`` (stop and restart the workers on every change;
-  while ``rdzv run`` has no such flag, plain ``rdzv run``, which restarts);
+* ``rdzv-restart``: ``rdzv run --restart-on-change`` (stop and restart the workers on every change,
+  after the next round has formed in the background);
 * ``torchrun-rdzv-tcp``: torchrun with rdzv's plugin; ``torchrun-c10d``: torchrun with torch's own.
 
 Every launcher gets ``--monitor-interval 0.1 --max-restarts 3`` and ``--rdzv-conf
@@ -72,11 +73,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def restart_flag_exists() -> bool:
-    """Whether ``rdzv run`` has ``--restart-on-change`` (the lead is adding it)."""
-    text = subprocess.run([sys.executable, "-m", "rdzv.run", "--help"], capture_output=True,
-                          text=True, timeout=60).stdout
-    return "--restart-on-change" in text
+CHECK_COST = """
+import os, time
+import torch.distributed as dist
+import rdzv.torch
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+state = rdzv.torch.ElasticState(step=0)
+n = 200_000
+start = time.perf_counter()
+for _ in range(n):
+    state.step_done()
+checked = time.perf_counter() - start
+start = time.perf_counter()
+for _ in range(n):
+    pass
+print((checked - (time.perf_counter() - start)) / n)
+"""
+
+
+def check_cost() -> float:
+    """Seconds that ElasticState.step_done() costs a step (no switch due), in a real worker."""
+    out = subprocess.run([sys.executable, "-c", CHECK_COST], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PORT": str(free_port())})
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring the per-step check failed: {out.stderr[-2000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def launcher_command(launcher: str, model_mb: float, port: int, node: int, work: str,
@@ -88,7 +110,7 @@ def launcher_command(launcher: str, model_mb: float, port: int, node: int, work:
               "--log-dir", os.path.join(work, f"logs{node}")]
     if launcher.startswith("rdzv"):
         head = [sys.executable, "-m", "rdzv.run", "--rdzv-backend", "tcp", "--stop-timeout", "5"]
-        if launcher == "rdzv-restart" and args.restart_flag:
+        if launcher == "rdzv-restart":
             head.append("--restart-on-change")
     else:
         backend = "c10d" if launcher == "torchrun-c10d" else "rdzv-tcp"
@@ -218,14 +240,19 @@ class Job:
                 print(f"warning: launcher pid {process.pid} still there after SIGKILL", file=sys.stderr)
 
 
-def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: int) -> dict[str, Any]:
-    """Pause, steps redone and time to the new world of the change triggered at ``trigger``."""
+def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: int,
+            save_every: int) -> dict[str, Any]:
+    """Pause, steps redone and time to the new world of the change triggered at ``trigger``.
+
+    The pause leaves out the gaps that are rank 0 writing its checkpoint between two steps of
+    one group (step k, k % save_every == 0, then k + 1 at the same world size): that is the
+    cost of training with checkpoints, which every launcher pays alike (column "max gap
+    before"), not of the change."""
     before = [i for i, e in enumerate(entries) if e["time"] <= trigger]
     first = before[-1] if before else 0
     new = [i for i in range(first + 1, len(entries)) if entries[i]["world_size"] == world
            and entries[i]["time"] > trigger]
     window = entries[first:new[after - 1] + 1]
-    times = [e["time"] for e in window]
     seen = max((e["step"] for e in entries[:first + 1]), default=0)
     redone = 0
     for entry in window[1:]:
@@ -233,7 +260,10 @@ def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: in
         seen = max(seen, entry["step"])
     steady = [b["time"] - a["time"] for a, b in zip(entries[:first + 1], entries[1:first + 1])
               if a["world_size"] == b["world_size"] == entries[first]["world_size"]][-20:]
-    return {"pause": max(b - a for a, b in zip(times, times[1:])), "redone": redone,
+    gaps = [b["time"] - a["time"] for a, b in zip(window, window[1:])
+            if not (a["step"] % save_every == 0 and b["step"] == a["step"] + 1
+                    and a["world_size"] == b["world_size"])]
+    return {"pause": max(gaps), "redone": redone,
             "to_world": entries[new[0]]["time"] - trigger,
             "step": statistics.median(steady) if steady else None,
             "steady_max": max(steady) if steady else None}
@@ -255,7 +285,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
                 job.wait_steps(2, args.warm, 0.0, timeout, args.save_every // 2)
                 trigger = job.start()
                 entries = job.wait_steps(3, args.after, trigger, timeout)
-                results["scale-out"] = measure(entries, trigger, 3, args.after)
+                results["scale-out"] = measure(entries, trigger, 3, args.after, args.save_every)
             except RuntimeError as exc:
                 results["scale-out"] = {"failed": str(exc)}
                 trigger = 0.0
@@ -269,7 +299,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
                 job.wait_steps(3, args.warm, trigger, timeout, args.save_every // 2)
                 trigger = job.sigterm(2)
                 entries = job.wait_steps(2, args.after, trigger, timeout)
-                results["scale-in"] = measure(entries, trigger, 2, args.after)
+                results["scale-in"] = measure(entries, trigger, 2, args.after, args.save_every)
                 job.nodes[2].wait(timeout)
                 results["scale-in"]["leaver_exit"] = job.nodes[2].returncode
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -328,13 +358,15 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"(resumed from the checkpoint, --save-every {args.save_every}). to new world: trigger "
           f"-> first step at the new world size. step: median step interval before the change "
           f"(--step-sleep {args.step_sleep}); max gap before: longest gap in the 20 steps before "
-          f"(checkpoint writes). leaver exit: the SIGTERMed launcher's exit code. x row 1: pause / pause of the first launcher of the same change "
+          f"(checkpoint writes, left out of the pause). leaver exit: the SIGTERMed launcher's exit code. x row 1: pause / pause of the first launcher of the same change "
           f"and model. Median of {args.repeat} run(s); 1 worker per node, gloo on CPU, "
           f"{os.cpu_count()} CPUs shared with other work (load average at the end: "
           f"{os.getloadavg()[1]:.1f} over 5 min).")
-    if not args.restart_flag:
-        print("rdzv-restart: `rdzv run` has no --restart-on-change yet: plain `rdzv run` "
-              "(which restarts the workers today), so rows rdzv and rdzv-restart measure the same.")
+    steps = [row["result"]["step"] for row in rows if row["result"]["step"]]
+    if steps:
+        step = statistics.median(steps)
+        print(f"per-step check (ElasticState.step_done, no switch due): {args.check_cost * 1e6:.2f}"
+              f" us = {100 * args.check_cost / step:.4f}% of the median step ({step * 1000:.0f} ms)")
     for number, note in enumerate(notes, 1):
         print(f"[{number}] {note}")
 
@@ -367,7 +399,7 @@ def main() -> None:
         parser.error(f"--model-mb: {args.model_mb!r} is not a comma-separated list of numbers, e.g. 0,200")
     if args.repeat < 1 or args.warm < 1 or args.after < 1:
         parser.error("--repeat, --warm and --after must be at least 1")
-    args.restart_flag = restart_flag_exists()
+    args.check_cost = check_cost()
     for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or kill: clean up, even if started
         signal.signal(signum, signal.default_int_handler)  # with SIGINT ignored (nohup, &)
 
@@ -395,7 +427,7 @@ def main() -> None:
     for kill in outside_kills:
         print(f"job run again: {kill} (not by the bench)")
     if args.json:
-        text = json.dumps({"rows": rows, "restart_flag": args.restart_flag,
+        text = json.dumps({"rows": rows, "check_cost_s": args.check_cost,
                            "step_sleep": args.step_sleep, "save_every": args.save_every}, indent=1)
         if args.json == "-":
             print(text)
