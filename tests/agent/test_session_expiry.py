@@ -8,6 +8,7 @@ so that it can seal the round at the moment the agent is stopped. The store is a
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from _agents import JOIN, wait_for
 from _launcher import PYTHON, Launcher, free_port
 
-from rdzv.agent._round import assign
+from rdzv.agent._round import MODE_KEY, assign
 from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
 from rdzv.rendezvous._layout import RunKeys
 from rdzv.store import TCPStore
@@ -43,7 +44,7 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "tcp",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf,
             "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"),
-            "--stop-timeout", "5", PYTHON, "-c", "import time; time.sleep(600)",
+            "--stop-timeout", "5", "--no-python", PYTHON, "-c", "import time; time.sleep(600)",
         ])
         observer = TCPStore("127.0.0.1", port, timeout=30)
         joined = RunKeys("job").nodes(0)
@@ -66,12 +67,16 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
         info = me.next_rendezvous()  # round 1, with the agent back in it
         assert info.world_size == 2
         assign(info, me, 1, "default", "127.0.0.1", 60.0, 0.0)
+        if info.rank == 0:  # as group rank 0's agent would: the workers start afresh
+            info.store.set(MODE_KEY, json.dumps({"mode": "restart", "prefix": "test"}))
         wait_for(lambda: "round complete: 2 node(s)" in node.output(), JOIN,
                  "the agent's workers in the new round")
         text = node.output()
         assert "round formed" in text.split("re-forming")[0], text  # it expired after the round
         assert "SessionExpiredError" not in text.split("round complete")[-1], text
-        node.signal(signal.SIGTERM)
+        node.signal(signal.SIGTERM)  # a graceful leave (this test's node never moves on)...
+        wait_for(lambda: "leaving the job" in node.output(), JOIN, "the leave")
+        node.signal(signal.SIGTERM)  # ...and the second signal stops it at once
         assert node.wait() == 128 + signal.SIGTERM, node.output()
         me.shutdown()
         observer.close()

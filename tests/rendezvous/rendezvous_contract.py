@@ -174,9 +174,10 @@ class RendezvousContract:
 
     # -- closing and leaving --------------------------------------------------------------------
     def test_set_closed_is_seen_by_members_and_waiters(self, cluster):
-        a, b = cluster.node(2, 2), cluster.node(2, 2)
+        # max 3: the late node fits (with max 2 it would be a spare, which members do not count)
+        a, b = cluster.node(2, 3, last_call_timeout=0.5), cluster.node(2, 3, last_call_timeout=0.5)
         form([a, b])
-        late = cluster.node(2, 2)
+        late = cluster.node(2, 3, last_call_timeout=0.5)
         pending = late.request("next")
         eventually(lambda: a.call("waiting") == 1, AT_ONCE, "the late node waits")
         a.call("set_closed")
