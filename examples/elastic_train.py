@@ -4,7 +4,8 @@ Under ``rdzv run`` the training loop goes on through membership changes without 
 ``rdzv.torch.ElasticState`` holds the model, the optimizer and the step; when a node joins or
 leaves, the agents form the next round in the background and every worker switches to the new
 process group at the same step, inside its process; a newcomer gets the state from a running
-worker. Each step the global batch is split by the *current* rank and world size, so the data
+worker. When a node is lost, the survivors abort the failed step's collectives, re-form without
+it and go on from the most advanced survivor's state, also without restarting. Each step the global batch is split by the *current* rank and world size, so the data
 is sharded anew after a change. Under torchrun (or after a crash) the workers are restarted
 instead and resume from the last checkpoint, which costs at most ``--save-every`` steps. Run it
 with rdzv's agent:
@@ -145,30 +146,33 @@ def main() -> None:
         if state.step >= args.steps:
             print(f"the checkpoint already has {state.step} steps: nothing to do (ask for more with "
                   f"--steps {state.step + args.steps})", flush=True)
-    global_loss = torch.tensor(float("nan"))
+    def train() -> torch.Tensor:
+        """The training loop; state.run() calls it again after the group lost a member."""
+        global_loss = torch.tensor(float("nan"))
+        for step in state.steps(args.steps):
+            rank, world_size = state.rank, state.world_size
+            indices = shard(step, args.batch_size, rank, world_size)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(inputs[indices]), targets[indices])
+            loss.backward()  # DDP averages the gradients over the current world
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss)  # every collective of the step before it is applied
+            global_loss /= world_size
+            optimizer.step()
+            done = step + 1
+            if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+                print(f"step {done} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
+                if args.progress:
+                    with open(args.progress, "a") as handle:
+                        handle.write(json.dumps({"step": done, "world_size": world_size,
+                                                 "loss": global_loss.item(), "time": time.time()}) + "\n")
+            if rank == 0 and (done % args.save_every == 0 or done == args.steps):
+                save_checkpoint(args.checkpoint, model, optimizer, done)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        return global_loss
 
-    for step in state.steps(args.steps):
-        rank, world_size = state.rank, state.world_size
-        indices = shard(step, args.batch_size, rank, world_size)
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(ddp(inputs[indices]), targets[indices])
-        loss.backward()  # DDP averages the gradients over the current world
-        optimizer.step()
-        done = step + 1
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        global_loss /= world_size
-        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
-            print(f"step {done} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
-            if args.progress:
-                with open(args.progress, "a") as handle:
-                    handle.write(json.dumps({"step": done, "world_size": world_size,
-                                             "loss": global_loss.item(), "time": time.time()}) + "\n")
-        if rank == 0 and (done % args.save_every == 0 or done == args.steps):
-            save_checkpoint(args.checkpoint, model, optimizer, done)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-
+    global_loss = state.run(train)
     if state.left:  # this node left the job: the others train on without it
         print(f"left the job after step {state.step}", flush=True)
         return

@@ -29,18 +29,23 @@ def main() -> None:
     rdzv.torch.init_process_group("gloo")
     state = rdzv.torch.ElasticState(step=0, weight=weight)
     stalled = False
-    for step in state.steps(args.steps):
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        if state.rank == 0:
-            print(f"step {step + 1} world_size {state.world_size} sum {int(total.item())}",
-                  flush=True)
-        if (args.stall_file and not stalled and state.rank == args.stall_rank
-                and os.path.exists(args.stall_file)):
-            stalled = True
-            print(f"rank {state.rank} stalls for {args.stall_seconds} s", flush=True)
-            time.sleep(args.stall_seconds)
-        time.sleep(args.step_sleep)
+
+    def train() -> None:
+        nonlocal stalled
+        for step in state.steps(args.steps):
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            if state.rank == 0:
+                print(f"step {step + 1} world_size {state.world_size} sum {int(total.item())} "
+                      f"pid {os.getpid()}", flush=True)
+            if (args.stall_file and not stalled and state.rank == args.stall_rank
+                    and os.path.exists(args.stall_file)):
+                stalled = True
+                print(f"rank {state.rank} stalls for {args.stall_seconds} s", flush=True)
+                time.sleep(args.stall_seconds)
+            time.sleep(args.step_sleep)
+
+    state.run(train)
     if state.left:
         return
     dist.barrier()

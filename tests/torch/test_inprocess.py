@@ -8,6 +8,7 @@ at one step, and rank 0's steps stay strictly consecutive.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -136,3 +137,148 @@ def test_init_outside_a_launcher_says_what_to_do() -> None:
     assert result.returncode == 1
     assert "RANK is not set" in result.stderr and "rdzv run" in result.stderr
     assert sys.executable
+
+
+def phases(entries: list[dict[str, Any]]) -> list[int]:
+    sizes = [e["world_size"] for e in entries]
+    return [size for i, size in enumerate(sizes) if i == 0 or sizes[i - 1] != size]
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_node_is_survived_in_process_and_replaced(launcher: Launcher,
+                                                           tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    args = agent_args(tmp_path, free_port(), "--max-restarts", "0") + [
+        EXAMPLE, "--steps", "450", "--checkpoint", str(tmp_path / "model.ckpt"),
+        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
+    ]
+    first = launcher.start(args)
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    second, victim = launcher.start(args), launcher.start(args)
+
+    def steps_at(world_size: int, after: int = 0) -> int:
+        return sum(1 for e in progress(log)[after:] if e["world_size"] == world_size)
+
+    wait_for(lambda: steps_at(3) >= 20, PHASE_TIMEOUT, "20 steps at world size 3")
+    before = len(progress(log))
+    os.killpg(victim.pid, signal.SIGKILL)  # the agent and its worker, mid-step
+    victim.wait(PHASE_TIMEOUT)
+    wait_for(lambda: steps_at(2, before) >= 20, PHASE_TIMEOUT, "20 steps at 2 after the kill")
+    before = len(progress(log))
+    replacement = launcher.start(args)
+    wait_for(lambda: steps_at(3, before) >= 20, PHASE_TIMEOUT, "20 steps at 3 after a join")
+    codes = [node.wait(PHASE_TIMEOUT) for node in (first, second, replacement)]
+    outputs = first.output() + second.output() + replacement.output()
+    assert codes == [0, 0, 0], outputs[-8000:]
+
+    text = first.output()
+    # --max-restarts 0 and one worker process on each surviving node: nothing restarted.
+    for node in (first, second):
+        assert len(re.findall(r"started 1 worker\(s\)", node.output())) == 1, node.output()
+    assert re.search(r"recovered in-process in \d+ ms at step \d+", text), text
+    assert "a member of the round was lost" in text or "process group failed" in text
+    entries = progress(log)
+    assert entries[-1]["step"] == 450
+    assert phases(entries)[-3:] == [3, 2, 3], phases(entries)
+    steps = [e["step"] for e in entries]
+    jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
+    # At most one step redone (the failed one, by the survivors that had not finished it) or
+    # one left unlogged by rank 0 (finished by a survivor rank 0 adopted).
+    assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
+    assert "DIFFERENT" not in text and text.count("parameters identical on all ranks") >= 3
+    losses = [e["loss"] for e in entries]
+    assert losses[-1] < losses[0] / 4
+
+
+def worker_pid(agent_pid: int) -> int:
+    """The worker process an agent of ``--nproc-per-node 1`` runs now."""
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+@pytest.mark.timeout(600)
+def test_a_hung_node_is_dropped_after_its_heartbeat_bound(launcher: Launcher,
+                                                          tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    args = agent_args(tmp_path, free_port(), "--max-restarts", "0") + [
+        EXAMPLE, "--steps", "250", "--checkpoint", str(tmp_path / "model.ckpt"),
+        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
+    ]
+    args[args.index("last_call_timeout=1")] = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
+    first = launcher.start(args)
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    second, hung = launcher.start(args), launcher.start(args)
+    wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
+             "20 steps at world size 3")
+    stopped = [hung.pid, worker_pid(hung.pid)]
+    for pid in stopped:  # the whole node hangs: agent and worker
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        assert [first.wait(PHASE_TIMEOUT), second.wait(PHASE_TIMEOUT)] == [0, 0], (
+            first.output()[-5000:] + second.output()[-5000:])
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGKILL)
+    entries = progress(log)
+    assert phases(entries) == [3, 2] and entries[-1]["step"] == 250, phases(entries)
+    gaps = [b["time"] - a["time"] for a, b in zip(entries, entries[1:])]
+    assert max(gaps) < 3 + 30, gaps  # the heartbeat bound, not the group's 10 minutes
+    text = first.output()
+    assert len(re.findall(r"started 1 worker\(s\)", text)) == 1, text
+    assert re.search(r"recovered in-process in \d+ ms", text), text
+
+
+@pytest.mark.timeout(600)
+def test_survivors_below_min_nodes_wait_and_resume_in_process(launcher: Launcher,
+                                                              tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    args = agent_args(tmp_path, free_port(), "--max-restarts", "0") + [
+        EXAMPLE, "--steps", "200", "--checkpoint", str(tmp_path / "model.ckpt"),
+        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
+    ]
+    args[args.index("1:3")] = "2:3"
+    first = launcher.start(args)
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    victim = launcher.start(args)
+    wait_for(lambda: len(progress(log)) >= 20, PHASE_TIMEOUT, "20 steps at world size 2")
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(PHASE_TIMEOUT)
+    wait_for(lambda: "the survivors wait for enough nodes" in first.output(), PHASE_TIMEOUT,
+             "the survivor saying that it waits")
+    steps_before = len(progress(log))
+    returning = launcher.start(args)
+    assert [first.wait(PHASE_TIMEOUT), returning.wait(PHASE_TIMEOUT)] == [0, 0], (
+        first.output()[-5000:] + returning.output()[-5000:])
+    text = first.output()
+    assert len(re.findall(r"started 1 worker\(s\)", text)) == 1, text  # the same worker
+    assert re.search(r"recovered in-process in \d+ ms", text), text
+    entries = progress(log)
+    assert len(entries) > steps_before and entries[-1]["step"] == 200
+    assert "joined a running job" in returning.output()
+
+
+@pytest.mark.timeout(600)
+def test_a_crashed_worker_rejoins_from_a_peer_while_the_others_recover(launcher: Launcher,
+                                                                       tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    args = agent_args(tmp_path, free_port(), "--max-restarts", "1") + [
+        EXAMPLE, "--steps", "250", "--checkpoint", str(tmp_path / "model.ckpt"),
+        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
+    ]
+    first = launcher.start(args)
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    second, crashing = launcher.start(args), launcher.start(args)
+    wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
+             "20 steps at world size 3")
+    os.kill(worker_pid(crashing.pid), signal.SIGKILL)  # the worker alone; its node survives
+    codes = [node.wait(PHASE_TIMEOUT) for node in (first, second, crashing)]
+    assert codes == [0, 0, 0], "".join(n.output()[-4000:] for n in (first, second, crashing))
+    for node in (first, second):
+        assert len(re.findall(r"started 1 worker\(s\)", node.output())) == 1, node.output()
+    assert re.search(r"recovered in-process in \d+ ms", first.output()), first.output()
+    again = crashing.output()
+    assert "restarting the workers (restart 1 of 1)" in again, again
+    assert "joined a running job" in again, again  # the state came from a peer
+    entries = progress(log)
+    assert entries[-1]["step"] == 250 and set(phases(entries)) == {3}

@@ -66,3 +66,16 @@ def switch_step(step: int, step_time: float | None, lead_seconds: float, min_lea
     else:
         lead = min_lead + math.ceil(lead_seconds / step_time)
     return step + max(min_lead, min(lead, max_lead))
+
+
+def recovery_plan(steps: dict[int, int], newcomers: list[int]) -> tuple[int, int, list[int]]:
+    """After a member was lost: (source, step, receivers). ``steps`` maps each surviving worker's
+    global rank in the new group to the steps it completed (survivors may be one apart: a step
+    whose collectives completed on some before the failure). Everyone adopts the state of the
+    most advanced survivor (the lowest such rank): a complete step is kept, never undone, and
+    no survivor goes on with parameters another lacks. The others and the newcomers receive it.
+    """
+    top = max(steps.values())
+    source = min(rank for rank, step in steps.items() if step == top)
+    behind = [rank for rank, step in steps.items() if step < top]
+    return source, top, sorted(behind + newcomers)

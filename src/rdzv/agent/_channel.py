@@ -6,9 +6,13 @@ connects, and its agent restarts it on a membership change as before. Messages (
 
 agent -> worker:
     ``plan``    the next round: the worker's new rank and world size, the new group's store
-                (``master_addr``/``master_port``/``prefix``), ``receivers`` (global ranks that
-                need the state from global rank 0), ``leave`` (this node is leaving the job).
-    ``switch``  switch at ``step`` (the number of completed steps).
+                (``master_addr``/``master_port``/``prefix``), ``leave`` (this node leaves).
+    ``switch``  switch at ``step`` (the number of completed steps); ``source`` sends the state
+                to ``receivers`` (global ranks of the new group).
+    ``abort``   a member of the group is lost: abort the group (a pending collective fails).
+    ``recover`` the survivors' new group is ready: ``source`` (the survivor that completed the
+                most steps) sends its state to ``receivers``.
+    ``join``    to a newcomer: the group it joins gets its state from ``source``.
     ``query``   asks for ``progress``.
 worker -> agent:
     ``hello``     ``local_rank``, ``pid``.
@@ -16,6 +20,8 @@ worker -> agent:
     ``switched``  the new group is up (``ms``: the pause), or ``left`` for a leaving worker.
     ``missed``    the switch step had already passed (the agent falls back to a restart).
     ``failed``    the switch failed in the worker (``error``).
+    ``broken``    a collective failed (a peer is gone): the worker waits for ``recover`` with
+                  its completed ``step``.
 
 The channel is local to one machine (a socket file only the agent's user can open) and carries
 JSON only. This module does the framing and checking; the agent side is :class:`ChannelServer`,
@@ -41,8 +47,8 @@ ENV_CHANNEL = "RDZV_AGENT_CHANNEL"
 ENV_JOIN = "RDZV_INPROCESS_JOIN"
 """Set for a worker started to join a running group in-process: the new group's store prefix."""
 MAX_LINE = 1 << 20
-OPS_TO_WORKER = frozenset({"plan", "switch", "query"})
-OPS_TO_AGENT = frozenset({"hello", "progress", "switched", "missed", "failed"})
+OPS_TO_WORKER = frozenset({"plan", "switch", "abort", "recover", "join", "query"})
+OPS_TO_AGENT = frozenset({"hello", "progress", "switched", "missed", "failed", "broken"})
 
 
 class ChannelError(RendezvousError):
@@ -113,7 +119,6 @@ class ChannelServer:
         self._listener.listen(64)
         self._workers: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
-        self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="rdzv-channel").start()
 
     def _accept(self) -> None:
@@ -187,7 +192,8 @@ class ChannelServer:
 
 
 class ChannelClient:
-    """The worker's end: ``on_message`` runs on a reader thread for each message of the agent."""
+    """The worker's end: ``on_message`` runs on a reader thread for each message of the agent,
+    and once with ``{"op": "closed"}`` when the agent has gone."""
 
     def __init__(self, path: str, local_rank: int,
                  on_message: Callable[[dict[str, Any]], None]) -> None:
@@ -210,6 +216,7 @@ class ChannelClient:
         while True:
             line = lines.read()
             if line is None:
+                self._on_message({"op": "closed"})
                 return
             try:
                 message = decode(line, OPS_TO_WORKER)

@@ -35,8 +35,10 @@ from ._round import (
 )
 from ._transition import (
     TransitionDone,
+    WorkersBroken,
     WorkersConnected,
     member_transition,
+    recovery_transition,
     start_on_thread,
     wait_for_switch,
 )
@@ -188,6 +190,9 @@ class GroupRun:
             return Outcome(Action.SUCCEED)
         if isinstance(event, WorkersConnected):
             self._say_capable()
+        elif isinstance(event, WorkersBroken):
+            if not self.transition and self._leaving is None and self._recoverable():
+                self._start_recovery("a worker's process group failed (a peer is gone)")
         elif isinstance(event, TransitionDone):
             return self._on_transition_done(event)
         elif isinstance(event, LeaveNews):
@@ -239,8 +244,8 @@ class GroupRun:
 
     def _on_membership_change(self) -> Outcome | None:
         agent, handler = self.agent, self.agent.handler
-        if self._leaving is not None:
-            return None  # this node's own announcement
+        if self._leaving is not None or self.transition:
+            return None  # this node's own announcement, or a change already being handled
         closed = handler.is_closed() or all_done(self.info)
         action = on_membership_change(closed, self._finished_at is not None)
         if action is Action.CONTINUE:
@@ -257,6 +262,9 @@ class GroupRun:
             if change is Change.PLANNED:
                 self._start_transition(waiting, leaving)
                 return None
+            if self._recoverable():
+                self._start_recovery("a member of the round was lost")
+                return None
         if action is Action.REFORM:
             agent.say(f"{agent.membership_news()}: re-forming the group (not counted as a "
                       "restart)")
@@ -268,9 +276,24 @@ class GroupRun:
         self.agent.say(f"{news}: forming the next round in the background; the workers keep "
                        "training")
         self.transition = True
+        self._unwatch()  # the transition watches from here on
         ctx, old, generation = self.agent.switch_context(), self.info, self.generation
         start_on_thread(lambda: member_transition(ctx, old, generation), self.agent.events,
                         "rdzv-transition")
+
+    def _recoverable(self) -> bool:
+        """Whether a loss can be survived in-process: this node's workers use the API (the
+        other nodes' are checked by group rank 0 of the next round)."""
+        return self.agent.link.connected() and not self.agent.config.restart_on_change
+
+    def _start_recovery(self, why: str) -> None:
+        self.agent.say(f"{why}: aborting the group's collectives and forming the next round "
+                       "without the lost node; the workers stay up")
+        self.transition = True
+        self._unwatch()
+        ctx, old, generation = self.agent.switch_context(), self.info, self.generation
+        start_on_thread(lambda: recovery_transition(ctx, old, generation), self.agent.events,
+                        "rdzv-recovery")
 
     def _on_transition_done(self, done: TransitionDone) -> Outcome | None:
         agent = self.agent
@@ -285,11 +308,13 @@ class GroupRun:
                 agent.adopt(self.group, done.assignment)
                 self.info, self.assignment = done.info, done.assignment
                 self._watch()
-                agent.say(f"switched in {done.pause_ms or 0:.0f} ms at step {done.switch_step}: "
+                what = "recovered in-process" if done.recovery else "switched"
+                agent.say(f"{what} in {done.pause_ms or 0:.0f} ms at step {done.switch_step}: "
                           f"{agent.describe(done.assignment)}")
             else:
                 agent.say(f"the workers joined the running group in {done.pause_ms or 0:.0f} ms "
                           f"at its step {done.switch_step}")
+            agent.link.forget("switched", "broken", "missed", "failed")
             self._say_capable()
             return None
         agent.say(f"restarting the workers in the new round: {done.reason}")

@@ -32,7 +32,7 @@ from typing import Any, Callable
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ..store import Store
-from ._changes import Mode, choose_mode, switch_step
+from ._changes import Mode, choose_mode, recovery_plan, switch_step
 from ._channel import ChannelServer
 from ._round import (
     CAPABLE_DIR,
@@ -53,6 +53,8 @@ LEAD_SECONDS = 0.25
 """How long the switch step is announced ahead of time, at least (see ``switch_step``)."""
 QUERY_TIMEOUT = 5.0
 """Seconds the coordinator waits for its worker to report its step."""
+PROGRESS_INTERVAL = 10.0
+"""Seconds between 'still waiting' lines while the survivors of a loss wait for nodes."""
 WAIT_SLICE = 0.25
 """Longest single blocking store call here: the agent's other threads share the client."""
 
@@ -60,6 +62,13 @@ WAIT_SLICE = 0.25
 @dataclass(frozen=True)
 class WorkersConnected:
     """Event: every worker of group ``generation`` connected to the agent (in-process capable)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class WorkersBroken:
+    """Event: a worker of group ``generation`` reports that a collective failed (a peer is gone)."""
 
     generation: int
 
@@ -77,6 +86,8 @@ class TransitionDone:
     formed_ms: float | None = None
     pause_ms: float | None = None
     switch_step: int | None = None
+    recovery: bool = False
+    """The transition followed the loss of a member (not a planned change)."""
 
 
 class WorkerLink:
@@ -113,6 +124,8 @@ class WorkerLink:
             generation = self._generation
         if connected:
             self._events.put(WorkersConnected(generation))
+        if message["op"] == "broken":
+            self._events.put(WorkersBroken(generation))
 
     def _all(self, op: str) -> bool:
         return self._nproc > 0 and all(op in self._said.get(lr, {}) for lr in range(self._nproc))
@@ -294,28 +307,40 @@ def _switch(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo,
     if decision.get("restart"):
         return replace(done, reason=str(decision.get("why", "")))
     step = int(decision["step"])
-    receivers = [int(r) for r in decision.get("receivers", [])]
-    link.send_all(lambda lr: {"op": "switch", "step": step, "receivers": receivers})
+    link.send_all(lambda lr: {**decision, "op": "switch"})
     ctx.say(f"round formed in {done.formed_ms:.0f} ms; switching at step {step}")
     return _await_switch(ctx, replace(done, switch_step=step))
 
 
-def _coordinate(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo) -> None:
-    """Group rank 0: wait until every node is ready, pick the switch step, announce it."""
+def _wait_ready(ctx: SwitchContext, old: RendezvousInfo,
+                info: RendezvousInfo) -> dict[str, dict[str, Any]] | None:
+    """Group rank 0: every node's ready entry, or None (a restart announced) after the timeout."""
     store, deadline = info.store, time.monotonic() + ctx.switch_timeout
     while True:
         ready = store.list_keys(READY_DIR)
         if len(ready) >= info.world_size:
-            break
+            return {key: loads_entry(key, raw) for key, raw in ready.items()}
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             announce(old, info, {"restart": True, "why": (
                 f"{info.world_size - len(ready)} node(s) not ready to switch within "
                 f"{ctx.switch_timeout:g} s (--switch-timeout)")})
-            return
+            return None
         since = store.revision(READY_DIR)
         if store.count_keys(READY_DIR) == len(ready):
             store.watch(READY_DIR, since, min(WAIT_SLICE, remaining))
+
+
+def _newcomer_ranks(ready: dict[str, dict[str, Any]]) -> list[int]:
+    return [rank for entry in ready.values() if entry.get("newcomer")
+            for rank in range(int(entry["offset"]), int(entry["offset"]) + int(entry["nproc"]))]
+
+
+def _coordinate(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo) -> None:
+    """Group rank 0 of a planned change: once every node is ready, pick the switch step."""
+    ready = _wait_ready(ctx, old, info)
+    if ready is None:
+        return
     ctx.link.forget("progress")
     ctx.link.send(0, {"op": "query"})
     progress = ctx.link.wait_one(0, "progress", QUERY_TIMEOUT)
@@ -323,28 +348,101 @@ def _coordinate(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo) -
         announce(old, info, {"restart": True, "why": "the coordinating worker did not report "
                                                      "its step"})
         return
-    receivers: list[int] = []
-    for raw in ready.values():
-        entry = loads_entry(READY_DIR, raw)
-        if entry.get("newcomer"):
-            receivers.extend(range(int(entry["offset"]), int(entry["offset"]) + int(entry["nproc"])))
     step = switch_step(int(progress["step"]), progress.get("step_time"), LEAD_SECONDS)
-    announce(old, info, {"step": step, "receivers": sorted(receivers)})
+    announce(old, info, {"step": step, "source": 0, "receivers": sorted(_newcomer_ranks(ready))})
+
+
+def _coordinate_recovery(ctx: SwitchContext, old: RendezvousInfo, info: RendezvousInfo) -> None:
+    """Group rank 0 after a loss: once every node is ready, name the survivor whose state all
+    adopt (``recovery_plan``)."""
+    ready = _wait_ready(ctx, old, info)
+    if ready is None:
+        return
+    steps = {int(entry["offset"]) + i: int(step) for entry in ready.values()
+             if not entry.get("newcomer") for i, step in enumerate(entry["steps"])}
+    source, step, receivers = recovery_plan(steps, _newcomer_ranks(ready))
+    announce(old, info, {"recover": True, "step": step, "source": source,
+                         "receivers": receivers})
 
 
 def _await_switch(ctx: SwitchContext, done: TransitionDone) -> TransitionDone:
-    bad = ctx.link.wait_all("switched", ctx.switch_timeout, {"missed", "failed", "closed"})
+    bad = ctx.link.wait_all("switched", ctx.switch_timeout,
+                            {"missed", "failed", "closed", "broken"})
     if bad is not None:
         errors = [str((ctx.link.said(lr, "failed") or {}).get("error", ""))
                   for lr in range(ctx.nproc)]
         why = {"missed": "a worker was already past the switch step",
                "failed": f"a worker failed to switch: {'; '.join(e for e in errors if e)}",
                "closed": "a worker exited during the switch",
+               "broken": "a worker's process group failed during the switch",
                "timeout": f"the workers did not switch within {ctx.switch_timeout:g} s "
                           "(--switch-timeout)"}[bad]
         return replace(done, reason=why)
     pauses = [float((ctx.link.said(lr, "switched") or {}).get("ms", 0)) for lr in range(ctx.nproc)]
     return replace(done, mode=Mode.IN_PROCESS, pause_ms=max(pauses, default=0.0))
+
+
+def recovery_transition(ctx: SwitchContext, old: RendezvousInfo,
+                        generation: int) -> TransitionDone:
+    """A member whose group lost a member: its workers are stopped (their group aborted), the
+    next round forms without the lost node, and every survivor enters the new group and adopts
+    the state of the most advanced survivor."""
+    ctx.link.send_all(lambda lr: {"op": "abort"})
+    started = time.monotonic()
+    try:
+        info = _next_round(ctx, started)
+    except RendezvousError as exc:
+        return TransitionDone(generation, error=exc)
+    formed_ms = (time.monotonic() - started) * 1000
+    try:
+        assignment = assign(info, ctx.handler, ctx.nproc, ctx.role, ctx.host, ASSIGN_TIMEOUT,
+                            formed_ms / 1000, ctx.max_nodes)
+        plan = start_round(ctx, info, assignment, old)
+    except RendezvousError as exc:
+        return TransitionDone(generation, info, error=exc, formed_ms=formed_ms)
+    done = TransitionDone(generation, info, assignment, formed_ms=formed_ms, recovery=True)
+    if plan.get("mode") != Mode.IN_PROCESS.value:
+        why = json.loads(old.store.try_get(SWITCH_KEY) or b"{}").get("why", "")
+        return replace(done, reason=why or "group rank 0 restarts the workers")
+    link, group_rank = ctx.link, assignment.group_rank
+    try:
+        link.send_all(lambda lr: worker_plan(assignment, lr, str(plan["prefix"])))
+        if link.wait_all("broken", ctx.switch_timeout, {"closed", "failed"}) is not None:
+            return replace(done, reason="a worker did not report its failed group",
+                           switch_step=-1)
+        steps = [int((link.said(lr, "broken") or {}).get("step", 0)) for lr in range(ctx.nproc)]
+        link.forget("broken")  # from now on, a break is a failure of the recovery itself
+        info.store.set(f"{READY_DIR}{group_rank}", json.dumps(
+            {"newcomer": False, "offset": assignment.rank_offset, "nproc": ctx.nproc,
+             "steps": steps}))
+        if group_rank == 0:
+            _coordinate_recovery(ctx, old, info)
+        raw = wait_key(old.store, SWITCH_KEY, ctx.switch_timeout + QUERY_TIMEOUT)
+    except RendezvousError as exc:
+        return replace(done, reason=f"the recovery failed: {type(exc).__name__}: {exc}",
+                       switch_step=-1)
+    if raw is None:
+        return replace(done, reason=f"no recovery plan within {ctx.switch_timeout:g} s",
+                       switch_step=-1)
+    decision = loads_entry(SWITCH_KEY, raw)
+    if decision.get("restart"):
+        return replace(done, reason=str(decision.get("why", "")))
+    link.forget("switched")
+    link.send_all(lambda lr: {**decision, "op": "recover"})
+    ctx.say(f"the next round formed in {formed_ms:.0f} ms; the survivors go on "
+            f"from step {decision['step']} (the state of global rank {decision['source']})")
+    return _await_switch(ctx, replace(done, switch_step=int(decision["step"])))
+
+
+def _next_round(ctx: SwitchContext, started: float) -> RendezvousInfo:
+    """The next round, saying every so often that the survivors wait (below min_nodes)."""
+    future = ctx.handler.next_rendezvous_async()
+    while True:
+        try:
+            return future.result(timeout=PROGRESS_INTERVAL)
+        except TimeoutError:
+            ctx.say(f"the survivors wait for enough nodes to re-form ("
+                    f"{time.monotonic() - started:.0f} s); training resumes in-process then")
 
 
 def newcomer_transition(ctx: SwitchContext, info: RendezvousInfo, assignment: Assignment,
@@ -365,6 +463,7 @@ def newcomer_transition(ctx: SwitchContext, info: RendezvousInfo, assignment: As
     decision = loads_entry(JOIN_KEY, raw)
     if decision.get("restart"):
         return replace(done, reason=str(decision.get("why", "")))
+    ctx.link.send_all(lambda lr: {"op": "join", "source": int(decision.get("source", 0))})
     ctx.say(f"joining the running group at its step {decision['step']}")
     return _await_switch(ctx, replace(done, switch_step=int(decision["step"])))
 

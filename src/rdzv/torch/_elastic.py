@@ -1,14 +1,22 @@
-"""Training through membership changes without restarting: the worker side of in-process switches.
+"""Training through membership changes without restarting: the worker side of in-process changes.
 
 Under ``rdzv run`` a worker that creates an :class:`ElasticState` connects to its agent (the
-channel named by ``RDZV_AGENT_CHANNEL``). When the agents have formed the next round in the
+channel named by ``RDZV_AGENT_CHANNEL``).
+
+*A planned change* (a node joins or leaves): when the agents have formed the next round in the
 background they send each worker a *plan* (its new rank, world size and the new group's store)
-and then a *switch step*. The new group's store is made ready in the background at once (global
-rank 0 of the new group starts it, the others connect), and training goes on. At the switch
-step, in :meth:`ElasticState.step_done`, every worker of the old group replaces its process
-group with the new one (same process, fresh store prefix), global rank 0 sends the state to
-the newcomers, and the ``on_change`` callbacks rebuild what depends on the group (DDP). A worker
-of a leaving node stops its loop there instead.
+and then a *switch step*. The new group's store is made ready in the background at once, and
+training goes on. At the switch step, in :meth:`ElasticState.step_done`, every worker of the old
+group replaces its process group with the new one (same process, fresh store prefix), global
+rank 0 sends the state to the newcomers, and the ``on_change`` callbacks rebuild what depends on
+the group (DDP). A worker of a leaving node stops its loop there instead.
+
+*A lost member*: a collective fails (the dead peer's connections closed) or the agent aborts the
+group (a hung peer, :mod:`._abort`). :meth:`ElasticState.run` catches the failure, tells the
+agent the step it completed, and waits while the agents form the next round without the lost
+node. Then every survivor enters the new group and adopts the state of the survivor that
+completed the most steps (sent to the others over the new group), and ``train`` runs again from
+there: at most the failed step is done again, by the survivors that had not finished it.
 
 Under torchrun, or when a change cannot be made in-process, the agent restarts the workers as
 before: the same script then resumes from its checkpoint.
@@ -22,92 +30,27 @@ import threading
 import time
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ..agent._channel import ENV_CHANNEL, ENV_JOIN, ChannelClient
+from ..agent._channel import ENV_JOIN
 from ..errors import RendezvousError, RendezvousParameterError
+from ._group import STORE_TIMEOUT, agent_link, group_sockets, group_store, init_group
 from ._statesync import receive_state, send_state
 
 logger = logging.getLogger(__name__)
 
-STORE_TIMEOUT = timedelta(minutes=5)
-"""How long the new group's store waits for its members (the agents' switch timeout is lower)."""
+T = TypeVar("T")
+WAIT_SLICE = 1.0
+"""Seconds between checks that the agent is still there, while waiting for its decision."""
+PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset")
+"""What the message of a collective that failed because a peer is gone contains."""
 
 
 class SwitchError(RendezvousError):
     """This worker could not move to the new process group; its agent restarts the workers."""
-
-
-class _AgentLink:
-    """This worker's connection to its agent, shared by init and :class:`ElasticState`."""
-
-    def __init__(self, path: str) -> None:
-        self.state: ElasticState | None = None
-        self._early: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self.client = ChannelClient(path, int(os.environ.get("LOCAL_RANK", "0")), self._on)
-
-    def _on(self, message: dict[str, Any]) -> None:
-        with self._lock:
-            state = self.state
-            if state is None:
-                self._early.append(message)
-                return
-        state._on_agent(message)
-
-    def attach(self, state: "ElasticState") -> None:
-        with self._lock:
-            self.state, early, self._early = state, self._early, []
-        for message in early:
-            state._on_agent(message)
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.client.send(message)
-
-
-_link: _AgentLink | None = None
-
-
-def agent_link() -> _AgentLink | None:
-    """The connection to this worker's rdzv agent (None when not started by ``rdzv run``)."""
-    global _link
-    path = os.environ.get(ENV_CHANNEL)
-    if _link is None and path:
-        _link = _AgentLink(path)
-    return _link
-
-
-def group_store(addr: str, port: int, rank: int, world_size: int) -> dist.Store:
-    """The TCPStore of a group created in-process (global rank 0 serves it)."""
-    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT,
-                         wait_for_workers=False)
-
-
-def init_group(backend: str, store: dist.Store, prefix: str, rank: int, world_size: int,
-               timeout: timedelta) -> None:
-    """Start the default process group on ``store`` under the round's own ``prefix``."""
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{prefix}/", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
-
-
-def join_running_group(backend: str, timeout: timedelta, **kwargs: Any) -> tuple[int, int]:
-    """A newcomer's start: tell the agent it is up (warm), then wait in the new group's
-    creation until the running workers switch to it."""
-    link = agent_link()
-    if link is None:
-        raise RendezvousParameterError(
-            f"{ENV_JOIN} is set but {ENV_CHANNEL} is not: both come from `rdzv run`; do not "
-            "set them by hand")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = group_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
-                        world_size)
-    if kwargs:
-        raise RendezvousParameterError(f"joining a running group takes no {sorted(kwargs)}")
-    init_group(backend, store, os.environ[ENV_JOIN], rank, world_size, timeout)
-    return rank, world_size
 
 
 class ElasticState:
@@ -117,10 +60,11 @@ class ElasticState:
     ``optimizer`` and ``step`` (the number of completed steps), plus any values (numbers,
     strings, lists, dicts, tensors) as keywords, read back from :attr:`values`. Create it after
     ``rdzv.torch.init_process_group()`` and before anything else that uses the process group
-    (DDP): on a newcomer the constructor receives the state from global rank 0.
+    (DDP): on a newcomer the constructor receives the state from a running worker.
 
     Drive the loop with ``for step in state.steps(total)`` (or call :meth:`step_done` after
-    each step). Register :meth:`on_change` callbacks to rebuild what holds the old process
+    each step), inside a function given to :meth:`run` so that the loss of a node is survived
+    in-process. Register :meth:`on_change` callbacks to rebuild what holds the old process
     group (DDP, a sampler): they run after every switch, with :attr:`rank` and
     :attr:`world_size` already updated. After the loop, :attr:`left` says whether this node
     left the job (its process group is gone then).
@@ -144,25 +88,30 @@ class ElasticState:
         """Whether this worker joined a running group and got the state from a peer (else the
         caller restores it, e.g. from a checkpoint)."""
         self.switches = 0
+        self.recoveries = 0
         self._backend = str(dist.get_backend())
         self._timeout = timedelta(minutes=10)
         self._callbacks: list[Callable[[ElasticState], None]] = []
         self._switch_at: int | None = None
-        self._receivers: list[int] = []
         self._checked = self.step
         self._plan: dict[str, Any] | None = None
         self._store: Future[dist.Store] | None = None
+        self._decision: dict[str, Any] | None = None
+        self._decided = threading.Event()
+        self._agent_gone = False
+        self._aborted = False
         self._last: float | None = None
         self._step_time: float | None = None
         self._link = agent_link()
-        if os.environ.get(ENV_JOIN) and self._link is not None:
-            started = time.perf_counter()
-            self._apply(receive_state(0, self._device()))
-            self.received = True
-            self._checked = self.step
-            self._link.send({"op": "switched", "ms": (time.perf_counter() - started) * 1000})
         if self._link is not None:
             self._link.attach(self)
+        if os.environ.get(ENV_JOIN) and self._link is not None:
+            started = time.perf_counter()
+            decision = self._wait_decision("join")
+            self._apply(receive_state(int(decision["source"]), self._device()))
+            self.received = True
+            self._checked = self.step
+            self._send({"op": "switched", "ms": (time.perf_counter() - started) * 1000})
 
     # -- the loop ---------------------------------------------------------------------------
     def on_change(self, callback: Callable[["ElasticState"], None]) -> Callable[..., None]:
@@ -192,14 +141,31 @@ class ElasticState:
         if self._switch_at is not None and self.step >= self._switch_at:
             self._at_switch_step()
 
+    def run(self, train: Callable[[], T]) -> T:
+        """Call ``train()`` (the training loop) and return what it returns; when a member of the
+        group is lost while it runs, recover in-process and call it again.
+
+        ``train`` resumes from :attr:`step`: write the loop as ``for step in
+        state.steps(total)``. Put every collective of a step before ``optimizer.step()`` (DDP's
+        backward, a logged loss' all_reduce): then a failed step was applied on no worker or,
+        complete, on some, and the survivors go on from the most advanced one. An error that is
+        not a group failure, or a recovery the agents give up, is raised as it is.
+        """
+        while True:
+            try:
+                return train()
+            except Exception as exc:
+                if self._link is None or not self._group_failure(exc):
+                    raise
+                self._recover(exc)
+
     @property
     def step_time(self) -> float | None:
         """Recent seconds per step (a moving average), None before two steps."""
         return self._step_time
 
-    # -- switching ----------------------------------------------------------------------------
-    def _on_agent(self, message: dict[str, Any]) -> None:
-        """A message of the agent (on the channel's thread)."""
+    # -- what the agent says (on the channel's thread) -------------------------------------
+    def on_agent(self, message: dict[str, Any]) -> None:
         op = message["op"]
         if op == "query":
             self._send({"op": "progress", "step": self._checked, "step_time": self._step_time})
@@ -210,10 +176,20 @@ class ElasticState:
                 threading.Thread(target=self._prepare, args=(message, self._store),
                                  daemon=True, name="rdzv-next-group").start()
         elif op == "switch":
-            self._receivers = [int(r) for r in message.get("receivers", [])]
+            self._decision = message
             self._switch_at = int(message["step"])
             if self._checked > self._switch_at:
                 self._send({"op": "missed", "step": self._checked})
+        elif op == "abort":
+            self._aborted = True
+            aborted = group_sockets.abort()
+            logger.warning("a member of the group is lost: aborted the group (%d sockets)", aborted)
+        elif op in ("recover", "join"):
+            self._decision = message
+            self._decided.set()
+        elif op == "closed":
+            self._agent_gone = True
+            self._decided.set()
 
     @staticmethod
     def _prepare(plan: dict[str, Any], future: "Future[dist.Store]") -> None:
@@ -223,47 +199,104 @@ class ElasticState:
         except Exception as exc:  # handed to the switch, which reports it
             future.set_exception(exc)
 
+    # -- a planned switch ----------------------------------------------------------------------
     def _at_switch_step(self) -> None:
-        target, plan = self._switch_at, self._plan
+        target, plan, decision = self._switch_at, self._plan, self._decision
         self._switch_at = None
         if target is None or self.step > target:
             self._send({"op": "missed", "step": self.step})
             return
         started = time.perf_counter()
         try:
-            if plan is None:
+            if plan is None or decision is None:
                 raise SwitchError("the agent announced a switch without a plan")
             if plan.get("leave"):
                 dist.destroy_process_group()
                 self.left = True
             else:
-                self._switch(plan)
+                dist.destroy_process_group()
+                self._enter(plan, decision)
         except Exception as exc:
             self._send({"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
             if isinstance(exc, SwitchError):
                 raise
             raise SwitchError(f"cannot switch to the new process group: {exc}") from exc
-        elapsed = (time.perf_counter() - started) * 1000
-        self._last = time.perf_counter()  # the pause is not a step
         self.switches += 1
-        self._send({"op": "switched", "ms": elapsed, "left": self.left})
+        self._switched(started)
 
-    def _switch(self, plan: dict[str, Any]) -> None:
+    def _enter(self, plan: dict[str, Any], decision: dict[str, Any]) -> None:
+        """Create the new group of ``plan`` and move the state as ``decision`` says."""
         assert self._store is not None
         store = self._store.result(timeout=STORE_TIMEOUT.total_seconds())
         rank, world_size = int(plan["rank"]), int(plan["world_size"])
-        dist.destroy_process_group()
         init_group(self._backend, store, str(plan["prefix"]), rank, world_size, self._timeout)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                           GROUP_RANK=str(plan["group_rank"]),
                           MASTER_ADDR=str(plan["master_addr"]),
                           MASTER_PORT=str(plan["master_port"]))
         self.rank, self.world_size = rank, world_size
-        if rank == 0 and self._receivers:
-            sent = send_state(self._tree(), self._receivers, self._device())
-            logger.info("sent %d bytes of state to ranks %s", sent, self._receivers)
+        source = int(decision.get("source", 0))
+        receivers = [int(r) for r in decision.get("receivers", [])]
+        if rank == source and receivers:
+            sent = send_state(self._tree(), receivers, self._device())
+            logger.info("sent %d bytes of state to ranks %s", sent, receivers)
+        elif rank in receivers:
+            self._apply(receive_state(source, self._device()))
         for callback in self._callbacks:
             callback(self)
+
+    def _switched(self, started: float) -> None:
+        elapsed = (time.perf_counter() - started) * 1000
+        self._last = time.perf_counter()  # the pause is not a step
+        self._send({"op": "switched", "ms": elapsed, "left": self.left})
+
+    # -- a lost member ---------------------------------------------------------------------
+    def _group_failure(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the group failing under this worker (not a bug of its own)."""
+        if self._aborted or isinstance(exc, dist.DistError):
+            return True
+        return isinstance(exc, RuntimeError) and any(w in str(exc) for w in PEER_FAILURE_WORDS)
+
+    def _recover(self, exc: BaseException) -> None:
+        started = time.perf_counter()
+        self._decision = None
+        self._decided.clear()
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
+                       self.step, type(exc).__name__, first_line)
+        self._send({"op": "broken", "step": self.step, "error": first_line})
+        group_sockets.abort()
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # a broken group may not even tear down cleanly
+            logger.warning("destroying the failed group: %s", error)
+        decision = self._wait_decision("recover")
+        plan = self._plan
+        if plan is None:
+            raise SwitchError("the agent sent no plan for the new group") from exc
+        self._aborted = False
+        try:
+            self._enter(plan, decision)
+        except Exception as error:
+            self._send({"op": "failed", "error": f"{type(error).__name__}: {error}"})
+            raise SwitchError(f"cannot recover in the new process group: {error}") from error
+        self.recoveries += 1
+        self._checked = self.step
+        self._switched(started)
+
+    def _wait_decision(self, op: str) -> dict[str, Any]:
+        """The agents' ``op`` decision (``recover``/``join``); SwitchError if they restart the
+        workers instead or this worker's agent is gone. No deadline of its own: the agent bounds
+        every transition and stops its workers when one fails."""
+        while not self._decided.wait(WAIT_SLICE):
+            pass
+        decision = self._decision
+        if self._agent_gone or decision is None:
+            raise SwitchError("this worker's rdzv agent is gone")
+        if decision["op"] != op:
+            raise SwitchError(f"the agent sent {decision['op']!r} while this worker waited for "
+                              f"{op!r}")
+        return decision
 
     # -- the state ----------------------------------------------------------------------------
     def _tree(self) -> dict[str, Any]:
@@ -280,9 +313,9 @@ class ElasticState:
             self.step = int(tree["step"])
             self.values.update(tree["values"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise SwitchError(f"the state received from global rank 0 does not fit this "
-                              f"worker's model and optimizer (is every node running the same "
-                              f"program?): {exc}") from exc
+            raise SwitchError(f"the state received from a peer does not fit this worker's model "
+                              f"and optimizer (is every node running the same program?): "
+                              f"{exc}") from exc
 
     def _device(self) -> torch.device:
         if self._backend == "nccl":

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..errors import RendezvousParameterError
 from ..store import Store
 from ..agent._channel import ENV_JOIN
-from ._elastic import join_running_group
+from ._group import group_sockets, join_running_group
 from ._store import TorchStore
 
 logger = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ def init_process_group(
                 f"{' and '.join(missing)} not set: start the worker with `rdzv run` or torchrun, "
                 "or pass store= (an rdzv store every worker shares)."
             )
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timeout, **kwargs)
+        with group_sockets.recording():  # to abort the group if a peer is lost
+            dist.init_process_group(backend, init_method="env://", rank=rank,
+                                    world_size=world_size, timeout=timeout, **kwargs)
     else:
         adapter = store if isinstance(store, TorchStore) else TorchStore(store)
         _in_use.append(adapter)
