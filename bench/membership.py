@@ -10,13 +10,14 @@ time after the step's all_reduce); it checkpoints every ``--save-every`` steps (
 restarted worker resumes from the last checkpoint. ``--step-sleep`` (default 0.05 s) brings a step
 to about 60 ms on a 2-core machine; the table shows the measured step.
 
-One job per (launcher, model size, repeat): nodes 1 and 2 start together (node 1 hosts the
+One job per (launcher, model size, repeat), and one for the crash: nodes 1 and 2 start together (node 1 hosts the
 rendezvous store, ``is_host``); after some steps at world size 2 a third node is started
 (scale-out); after some steps at world size 3 the third node's launcher gets SIGTERM (graceful
 scale-in). Each change is triggered half a checkpoint interval after a checkpoint (step %
 save_every == save_every // 2), so a restart redoes that half interval plus the steps run while it
 is under way. If the job never reached world size 3, scale-in is measured on a fresh job whose
-three nodes start together. For each change, from its trigger (the third launcher spawned / SIGTERM
+three nodes start together. The crash is measured on a fresh job of three nodes: the third
+node's launcher and all its processes are SIGKILLed mid-run (3 -> 2). For each change, from its trigger (the third launcher spawned / SIGTERM
 sent) until ``--after`` steps were logged at the new world size, the bench measures the
 pause (the longest gap between the times of two consecutive progress lines, counting from the
 last line before the trigger, leaving out rank 0's checkpoint writes between two steps of one
@@ -56,7 +57,7 @@ HOST = "127.0.0.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "elastic_train.py")
 LAUNCHERS = ("rdzv", "rdzv-restart", "torchrun-rdzv-tcp", "torchrun-c10d")
-CHANGES = ("scale-out", "scale-in")
+CHANGES = ("scale-out", "scale-in", "crash")
 CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 POLL = 0.01
 """Seconds between two looks at the progress file."""
@@ -131,6 +132,25 @@ def proc_start_time(pid: int) -> int | None:
         return None
 
 
+def descendants(root: int) -> list[int]:
+    """Every live process under ``root`` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as handle:
+                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
 class Job:
     """The launchers of one job, their logs and progress file in ``work``; kills them all by pid."""
 
@@ -155,6 +175,19 @@ class Job:
         self.known[self.nodes[-1].pid] = proc_start_time(self.nodes[-1].pid)
         return spawned
 
+    def sigkill(self, node: int) -> float:
+        """SIGKILL node ``node``'s launcher and every process under it at once (a lost node)."""
+        self.track()
+        self.terminated.add(node)
+        tree = [self.nodes[node].pid] + descendants(self.nodes[node].pid)
+        sent = time.time()
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return sent
+
     def sigterm(self, node: int) -> float:
         self.track()
         self.terminated.add(node)
@@ -165,21 +198,10 @@ class Job:
     def track(self) -> None:
         """Remember every live descendant of the launchers (torchrun's and rdzv's workers run in
         sessions of their own, so a process group kill would miss them)."""
-        parents: dict[int, list[int]] = {}
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    with open(f"/proc/{name}/stat") as handle:
-                        ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                parents.setdefault(ppid, []).append(int(name))
-        todo = [p.pid for p in self.nodes]
-        while todo:
-            for child in parents.get(todo.pop(), []):
+        for process in self.nodes:
+            for child in descendants(process.pid):
                 if child not in self.known:
                     self.known[child] = proc_start_time(child)
-                    todo.append(child)
 
     def entries(self) -> list[dict[str, Any]]:
         """Rank 0's progress so far (complete lines: the last one may be half written)."""
@@ -305,10 +327,28 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 fresh = " (on a fresh 3-node job)" if len(jobs) > 1 else ""
                 results.setdefault("scale-in", {})["failed"] = f"{exc}{fresh}"
+            results["crash"] = crash(launcher, model_mb, work, args, jobs)
         finally:
             for job in jobs:
                 job.stop()
     return results
+
+
+def crash(launcher: str, model_mb: float, work: str, args: argparse.Namespace,
+          jobs: list["Job"]) -> dict[str, Any]:
+    """A fresh job of 3 nodes; the third node (launcher and workers) is SIGKILLed mid-run."""
+    os.mkdir(os.path.join(work, "crash"))
+    job = Job(launcher, model_mb, os.path.join(work, "crash"), args)
+    jobs.append(job)
+    try:
+        for _ in range(3):
+            job.start()
+        job.wait_steps(3, args.warm, 0.0, args.phase_timeout, args.save_every // 2)
+        trigger = job.sigkill(2)
+        entries = job.wait_steps(2, args.after, trigger, args.phase_timeout)
+        return measure(entries, trigger, 2, args.after, args.save_every)
+    except RuntimeError as exc:
+        return {"failed": f"{exc} (crash)"}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -354,7 +394,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"pause: longest gap between rank 0's consecutive step completions (wall clock after the "
           f"step's all_reduce), from the last step before the trigger until {args.after} steps at "
           f"the new world size; trigger: scale-out = third launcher spawned (2 -> 3 nodes), "
-          f"scale-in = SIGTERM to the third node's launcher (3 -> 2). redone: steps run again "
+          f"scale-in = SIGTERM to the third node's launcher (3 -> 2), crash = SIGKILL of the "
+          f"third node's launcher and workers on a fresh 3-node job (3 -> 2). redone: steps run again "
           f"(resumed from the checkpoint, --save-every {args.save_every}). to new world: trigger "
           f"-> first step at the new world size. step: median step interval before the change "
           f"(--step-sleep {args.step_sleep}); max gap before: longest gap in the 20 steps before "
