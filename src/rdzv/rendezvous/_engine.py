@@ -357,6 +357,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return self._collect(r, store.try_get(rank_key), previous)
             else:
                 self._delete_garbage()  # while idle
+                if self._spare:
+                    # A spare's wait ends with the run (the store may go with the last member)
+                    # or a seal: the round's status comes with the wake-up.
+                    since, raw = self._watch_get(keys.ctl(r), since, step.wake_at - now,
+                                                 keys.status(r))
+                    if decode_status(keys.status(r), raw) is True:
+                        try:
+                            self._leave_round()
+                        except RendezvousError as exc:  # the store may already be gone
+                            logger.info("a spare leaving a closed run: %s", exc)
+                        raise RendezvousClosedError(
+                            f"the rendezvous of run {keys.run_id!r} is closed")
+                    woken = raw is not None
+                    continue
                 # Most wake-ups are the seal: the rank comes with the wake-up (one round trip).
                 since, raw = self._watch_get(keys.ctl(r), since, step.wake_at - now, rank_key)
                 if raw is not None:
