@@ -195,7 +195,7 @@ class ElasticAgent:
             if joining:
                 ctx, generation = self.switch_context(), self.generation
                 start_on_thread(lambda: newcomer_transition(ctx, info, assignment, generation),
-                                self.events, "rdzv-join")
+                                self.events, "rdzv-join", generation)
             run = GroupRun(self, group, info, assignment, joining)
             outcome = run.run()
             code = self._after(outcome, group, run.info)
@@ -252,7 +252,7 @@ class ElasticAgent:
             return 128 + outcome.signum
         failures = self._failures(group)
         group.stop(timeout=config.stop_timeout)
-        self.link.forget()
+        self.link.disconnect()
         if action is Action.FAIL:
             reason = (f"workers failed after {self.restarts} restart(s) (--max-restarts "
                       f"{config.max_restarts})")

@@ -119,6 +119,7 @@ class ChannelServer:
         self._listener.listen(64)
         self._workers: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True, name="rdzv-channel").start()
 
     def _accept(self) -> None:
@@ -145,17 +146,25 @@ class ChannelServer:
                         self._workers[local_rank] = conn
                     if previous is not None:
                         _hang_up(previous)
-                if local_rank is not None:
-                    self._on_message(local_rank, message)
+                if local_rank is None or not self._current(local_rank, conn):
+                    break  # no hello yet, or a connection forgotten since: its worker is gone
+                self._on_message(local_rank, message)
         except (ChannelError, KeyError, TypeError, ValueError) as exc:
             logger.warning("dropping a worker's channel connection: %s", exc)
         finally:
             _hang_up(conn)
+            current = False
             if local_rank is not None:
                 with self._lock:
-                    if self._workers.get(local_rank) is conn:
+                    current = self._workers.get(local_rank) is conn
+                    if current:
                         del self._workers[local_rank]
+            if current and local_rank is not None:  # a forgotten connection's end is no news
                 self._on_message(local_rank, {"op": "closed"})
+
+    def _current(self, local_rank: int, conn: socket.socket) -> bool:
+        with self._lock:
+            return self._workers.get(local_rank) is conn
 
     def connected(self) -> frozenset[int]:
         """The local ranks whose workers are connected now."""
@@ -168,10 +177,11 @@ class ChannelServer:
             conn = self._workers.get(local_rank)
         if conn is None:
             return False
-        try:
-            conn.sendall(encode(message))
-        except OSError:
-            return False
+        with self._send_lock:  # whole lines, in order, from the agent's several threads
+            try:
+                conn.sendall(encode(message))
+            except OSError:
+                return False
         return True
 
     def forget(self) -> None:

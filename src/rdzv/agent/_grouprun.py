@@ -31,6 +31,7 @@ from ._round import (
     MembershipChanged,
     MembershipWatcher,
     all_done,
+    hosts_store,
     mark_alive,
 )
 from ._transition import (
@@ -255,10 +256,14 @@ class GroupRun:
             return None
         if action is Action.REFORM and self._finished_at is None:
             store = self.info.store
-            waiting = handler.num_nodes_waiting()
-            leaving = store.count_keys(LEAVING_DIR)
-            change = classify_change(self.info.world_size, store.count_keys(ALIVE_DIR), leaving,
-                                     waiting)
+            try:
+                waiting = handler.num_nodes_waiting()
+                leaving = store.count_keys(LEAVING_DIR)
+                alive = store.count_keys(ALIVE_DIR)
+            except RendezvousError as exc:  # cannot tell what changed: as for a loss
+                logger.warning("cannot read the membership change: %s", exc)
+                waiting, leaving, alive = 0, 0, 0
+            change = classify_change(self.info.world_size, alive, leaving, waiting)
             if change is Change.PLANNED:
                 self._start_transition(waiting, leaving)
                 return None
@@ -279,7 +284,7 @@ class GroupRun:
         self._unwatch()  # the transition watches from here on
         ctx, old, generation = self.agent.switch_context(), self.info, self.generation
         start_on_thread(lambda: member_transition(ctx, old, generation), self.agent.events,
-                        "rdzv-transition")
+                        "rdzv-transition", generation)
 
     def _recoverable(self) -> bool:
         """Whether a loss can be survived in-process: this node's workers use the API (the
@@ -293,7 +298,7 @@ class GroupRun:
         self._unwatch()
         ctx, old, generation = self.agent.switch_context(), self.info, self.generation
         start_on_thread(lambda: recovery_transition(ctx, old, generation), self.agent.events,
-                        "rdzv-recovery")
+                        "rdzv-recovery", generation)
 
     def _on_transition_done(self, done: TransitionDone) -> Outcome | None:
         agent = self.agent
@@ -329,6 +334,15 @@ class GroupRun:
         if (self._leaving is not None or self.transition or signum == signal.SIGHUP
                 or self._finished_at is not None or self.info.world_size < 2):
             return Outcome(Action.STOP, signum)
+        if self.info.world_size - 1 < agent.config.min_nodes:
+            agent.say(f"{name} received: the other nodes cannot go on without this one (min "
+                      f"nodes {agent.config.min_nodes}); stopping now")
+            return Outcome(Action.STOP, signum)
+        if hosts_store(self.info.store):
+            agent.say(f"{name} received: this node serves the rendezvous store, which the "
+                      "others need: it cannot leave gracefully (run `rdzv serve` apart); "
+                      "stopping now")
+            return Outcome(Action.STOP, signum)
         store, rank = self.info.store, self.assignment.group_rank
         try:
             store.set(f"{LEAVING_DIR}{rank}", json.dumps({"time": time.time(),
@@ -361,7 +375,7 @@ class GroupRun:
         agent = self.agent
         assert self._leaving is not None
         if decision is None:
-            return self._on_tick() or None
+            return self._on_tick()
         link = agent.link
         if decision.get("restart") or not link.connected():
             agent.say("leaving: the other nodes formed the next round without this node; "
@@ -390,7 +404,7 @@ class GroupRun:
         """Stop the workers of a failed group; if a transition runs, wait for its round."""
         agent = self.agent
         self.group.stop(timeout=agent.config.stop_timeout)
-        agent.link.forget()
+        agent.link.disconnect()
         if not self.transition:
             return None
         deadline = time.monotonic() + agent.config.switch_timeout + 2 * PROGRESS_INTERVAL

@@ -137,6 +137,10 @@ class WorkerLink:
     def _any(self, ops: set[str]) -> bool:
         return any(ops & said.keys() for said in self._said.values())
 
+    def disconnect(self) -> None:
+        """The workers were stopped: drop their connections."""
+        self.server.forget()
+
     def forget(self, *ops: str) -> None:
         with self._cond:
             for said in self._said.values():
@@ -201,11 +205,19 @@ class SwitchContext:
     say: Callable[[str], None]
 
 
-def start_on_thread(work: Callable[[], TransitionDone], events: Any, name: str) -> None:
-    """Run ``work`` on a daemon thread and put its TransitionDone on ``events``."""
+def start_on_thread(work: Callable[[], TransitionDone], events: Any, name: str,
+                    generation: int) -> None:
+    """Run ``work`` on a daemon thread and put its TransitionDone on ``events`` (also when it
+    fails unexpectedly: the agent must hear the end of every transition)."""
 
     def run() -> None:
-        events.put(work())
+        try:
+            done = work()
+        except Exception as exc:  # malformed agent JSON, a bug: end the transition all the same
+            logger.exception("the transition to the next round failed")
+            done = TransitionDone(generation, error=RendezvousError(
+                f"the transition failed: {type(exc).__name__}: {exc}"))
+        events.put(done)
 
     threading.Thread(target=run, daemon=True, name=name).start()
 
@@ -251,6 +263,12 @@ def start_round(ctx: SwitchContext, info: RendezvousInfo, assignment: Assignment
     return plan
 
 
+def _why(old: RendezvousInfo) -> str:
+    """Group rank 0's reason for restarting the workers, as written in the old round."""
+    raw = old.store.try_get(SWITCH_KEY)
+    return "" if raw is None else str(loads_entry(SWITCH_KEY, raw).get("why", ""))
+
+
 def announce(old: RendezvousInfo, new: RendezvousInfo, decision: dict[str, Any]) -> None:
     """Write the switch decision where members, a leaving node and newcomers read it."""
     raw = json.dumps(decision)
@@ -262,6 +280,9 @@ def worker_plan(assignment: Assignment, local_rank: int, prefix: str) -> dict[st
     """What a worker needs to join the new group."""
     return {"op": "plan", "rank": assignment.rank_offset + local_rank,
             "world_size": assignment.world_size, "group_rank": assignment.group_rank,
+            "group_world_size": assignment.group_world_size,
+            "role_rank": assignment.role_rank_offset + local_rank,
+            "role_world_size": assignment.role_world_size,
             "master_addr": assignment.master_addr, "master_port": assignment.master_port,
             "prefix": prefix, "leave": False}
 
@@ -282,7 +303,7 @@ def member_transition(ctx: SwitchContext, old: RendezvousInfo, generation: int) 
         return TransitionDone(generation, info, error=exc, formed_ms=formed_ms)
     done = TransitionDone(generation, info, assignment, formed_ms=formed_ms)
     if plan.get("mode") != Mode.IN_PROCESS.value:
-        why = json.loads(old.store.try_get(SWITCH_KEY) or b"{}").get("why", "")
+        why = _why(old)
         return replace(done, reason=why or "group rank 0 restarts the workers")
     try:
         return _switch(ctx, old, info, assignment, str(plan["prefix"]), done)
@@ -402,7 +423,7 @@ def recovery_transition(ctx: SwitchContext, old: RendezvousInfo,
         return TransitionDone(generation, info, error=exc, formed_ms=formed_ms)
     done = TransitionDone(generation, info, assignment, formed_ms=formed_ms, recovery=True)
     if plan.get("mode") != Mode.IN_PROCESS.value:
-        why = json.loads(old.store.try_get(SWITCH_KEY) or b"{}").get("why", "")
+        why = _why(old)
         return replace(done, reason=why or "group rank 0 restarts the workers")
     link, group_rank = ctx.link, assignment.group_rank
     try:

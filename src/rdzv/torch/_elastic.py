@@ -29,7 +29,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -47,6 +46,11 @@ WAIT_SLICE = 1.0
 """Seconds between checks that the agent is still there, while waiting for its decision."""
 PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset")
 """What the message of a collective that failed because a peer is gone contains."""
+PLAN_ENV = {"RANK": "rank", "WORLD_SIZE": "world_size", "GROUP_RANK": "group_rank",
+            "GROUP_WORLD_SIZE": "group_world_size", "ROLE_RANK": "role_rank",
+            "ROLE_WORLD_SIZE": "role_world_size", "MASTER_ADDR": "master_addr",
+            "MASTER_PORT": "master_port"}
+"""The variables ``rdzv run`` gives a worker, updated from the plan of each new group."""
 
 
 class SwitchError(RendezvousError):
@@ -90,7 +94,6 @@ class ElasticState:
         self.switches = 0
         self.recoveries = 0
         self._backend = str(dist.get_backend())
-        self._timeout = timedelta(minutes=10)
         self._callbacks: list[Callable[[ElasticState], None]] = []
         self._switch_at: int | None = None
         self._checked = self.step
@@ -210,11 +213,12 @@ class ElasticState:
         try:
             if plan is None or decision is None:
                 raise SwitchError("the agent announced a switch without a plan")
+            if self._backend == "nccl":
+                torch.cuda.synchronize()  # the step's last kernels, before the group goes
+            dist.destroy_process_group()
             if plan.get("leave"):
-                dist.destroy_process_group()
                 self.left = True
             else:
-                dist.destroy_process_group()
                 self._enter(plan, decision)
         except Exception as exc:
             self._send({"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
@@ -229,11 +233,8 @@ class ElasticState:
         assert self._store is not None
         store = self._store.result(timeout=STORE_TIMEOUT.total_seconds())
         rank, world_size = int(plan["rank"]), int(plan["world_size"])
-        init_group(self._backend, store, str(plan["prefix"]), rank, world_size, self._timeout)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
-                          GROUP_RANK=str(plan["group_rank"]),
-                          MASTER_ADDR=str(plan["master_addr"]),
-                          MASTER_PORT=str(plan["master_port"]))
+        init_group(self._backend, store, str(plan["prefix"]), rank, world_size)
+        os.environ.update({name: str(plan[key]) for name, key in PLAN_ENV.items()})
         self.rank, self.world_size = rank, world_size
         source = int(decision.get("source", 0))
         receivers = [int(r) for r in decision.get("receivers", [])]

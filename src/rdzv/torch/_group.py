@@ -23,6 +23,9 @@ STORE_TIMEOUT = timedelta(minutes=5)
 
 group_sockets = GroupSockets()
 """The sockets of this process's current group (to abort it when a peer is lost)."""
+group_options: dict[str, Any] = {"timeout": timedelta(minutes=10), "kwargs": {}}
+"""How ``init_process_group`` was called (timeout, other keywords such as ``device_id``): every
+group this worker creates or joins in-process is made the same way."""
 
 
 class AgentListener(Protocol):
@@ -93,25 +96,24 @@ def _wait_listening(addr: str, port: int, timeout: float) -> None:
             time.sleep(LISTEN_POLL)
 
 
-def init_group(backend: str, store: dist.Store, prefix: str, rank: int, world_size: int,
-               timeout: timedelta) -> None:
-    """Start the default process group on ``store`` under the round's own ``prefix``."""
+def init_group(backend: str, store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
+    """Start the default process group on ``store`` under the round's own ``prefix``, as the
+    worker's first one was (``group_options``)."""
     with group_sockets.recording():
         dist.init_process_group(backend, store=dist.PrefixStore(f"{prefix}/", store), rank=rank,
-                                world_size=world_size, timeout=timeout)
+                                world_size=world_size, timeout=group_options["timeout"],
+                                **group_options["kwargs"])
 
 
-def join_running_group(backend: str, timeout: timedelta, **kwargs: Any) -> tuple[int, int]:
+def join_running_group(backend: str) -> tuple[int, int]:
     """A newcomer's start: tell the agent it is up (warm), then wait in the new group's
     creation until the running workers switch to it."""
     if agent_link() is None:
         raise RendezvousParameterError(
             f"{ENV_JOIN} is set but {ENV_CHANNEL} is not: both come from `rdzv run`; do not "
             "set them by hand")
-    if kwargs:
-        raise RendezvousParameterError(f"joining a running group takes no {sorted(kwargs)}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = group_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
                         world_size)
-    init_group(backend, store, os.environ[ENV_JOIN], rank, world_size, timeout)
+    init_group(backend, store, os.environ[ENV_JOIN], rank, world_size)
     return rank, world_size

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..errors import RendezvousParameterError
 from ..store import Store
 from ..agent._channel import ENV_JOIN
-from ._group import group_sockets, join_running_group
+from ._group import group_options, group_sockets, join_running_group
 from ._store import TorchStore
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,9 @@ def init_process_group(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     timeout = timeout or DEFAULT_TIMEOUT
+    group_options.update(timeout=timeout, kwargs=dict(kwargs))
     if store is None and os.environ.get(ENV_JOIN):
-        rank, world_size = join_running_group(backend, timeout, **kwargs)
+        rank, world_size = join_running_group(backend)
     elif store is None:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
