@@ -118,15 +118,39 @@ def test_sigterm_makes_an_agent_leave_gracefully_once_the_others_reformed(
 
 
 def test_a_second_sigterm_stops_a_leaving_agent_at_once(agents: Any, rdzv: Any) -> None:
+    nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 1))
+    rdzv.running(3)
+    stuck, leaving = nodes[1], nodes[2]
+    stuck.signal(signal.SIGSTOP)  # the others cannot form the next round: the leave lasts
+    try:
+        leaving.signal(signal.SIGTERM)
+        wait_for(lambda: "leaving the job" in leaving.output(), 60, "the leave announcement")
+        leaving.signal(signal.SIGTERM)
+        assert leaving.wait() == 128 + signal.SIGTERM, leaving.output()
+        assert "SIGTERM received: stopping the workers" in leaving.output()
+    finally:
+        stuck.signal(signal.SIGCONT)
+    rdzv.stop()
+
+
+def test_a_node_the_others_need_stops_at_once(agents: Any, rdzv: Any) -> None:
     nodes = rdzv.start(agents, 2, rdzv.until_stopped("2:2", 1))
     rdzv.running(2)
-    leaving = nodes[1]
-    leaving.signal(signal.SIGTERM)  # min_nodes 2: the other node cannot move on without it
-    wait_for(lambda: "leaving the job" in leaving.output(), 60, "the leave announcement")
-    leaving.signal(signal.SIGTERM)
-    assert leaving.wait() == 128 + signal.SIGTERM, leaving.output()
-    assert "SIGTERM received: stopping the workers" in leaving.output()
+    nodes[1].signal(signal.SIGTERM)
+    assert nodes[1].wait() == 128 + signal.SIGTERM, nodes[1].output()
+    assert ("SIGTERM received: the other nodes cannot go on without this one (min nodes 2); "
+            "stopping now") in nodes[1].output()
     rdzv.stop()
+
+
+def test_the_node_serving_the_store_stops_at_once(agents: Any, rdzv: Any) -> None:
+    if rdzv.backend != "tcp":
+        pytest.skip("only the tcp backend has a node that serves the store")
+    nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 1))
+    rdzv.running(3)
+    nodes[0].signal(signal.SIGTERM)  # the first node serves the store the others need
+    assert nodes[0].wait() == 128 + signal.SIGTERM, nodes[0].output()
+    assert "this node serves the rendezvous store, which the others need" in nodes[0].output()
 
 
 def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:

@@ -70,17 +70,23 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
 
 
 def test_status_shows_a_node_that_leaves(agents: Any, rdzv: Any) -> None:
-    nodes = rdzv.start(agents, 2, rdzv.until_stopped("2:2", 1))
-    rdzv.running(2)
-    nodes[1].signal(signal.SIGTERM)  # min_nodes 2: the other cannot move on; it stays leaving
-    leaving = wait_for(lambda: (s := status_json(rdzv))["members"] and
-                       any(m["leaving"] for m in s["members"]) and s, JOIN, "a leaving member")
-    assert [m["leaving"] for m in leaving["members"]] == [False, True]
-    rows = [line.split()[:2] for line in status(rdzv).stdout.splitlines()
-            if line.split() and line.split()[0].isdigit()]
-    assert rows[:2] == [["0", "yes"], ["1", "leaving"]]
-    nodes[1].signal(signal.SIGTERM)  # the second signal stops it at once
-    assert nodes[1].wait() == 128 + signal.SIGTERM
+    nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 1))
+    rdzv.running(3)
+    stuck, leaver = nodes[1], nodes[2]
+    stuck.signal(signal.SIGSTOP)  # the others cannot move on: the leaver stays leaving
+    try:
+        leaver.signal(signal.SIGTERM)
+        leaving = wait_for(lambda: (s := status_json(rdzv))["members"] and
+                           any(m["leaving"] for m in s["members"]) and s, JOIN,
+                           "a leaving member")
+        assert [m["pid"] for m in leaving["members"] if m["leaving"]] == [leaver.pid]
+        rows = [line.split() for line in status(rdzv).stdout.splitlines()
+                if line.split() and line.split()[0].isdigit()]
+        assert [row[3] for row in rows if row[1] == "leaving"] == [str(leaver.pid)], rows
+        leaver.signal(signal.SIGTERM)  # the second signal stops it at once
+        assert leaver.wait() == 128 + signal.SIGTERM
+    finally:
+        stuck.signal(signal.SIGCONT)
     rdzv.stop()
 
 
