@@ -287,26 +287,37 @@ def worker_plan(assignment: Assignment, local_rank: int, prefix: str) -> dict[st
             "prefix": prefix, "leave": False}
 
 
-def member_transition(ctx: SwitchContext, old: RendezvousInfo, generation: int) -> TransitionDone:
-    """A running member's part of a planned change: background round, then switch."""
+def _join_next(ctx: SwitchContext, old: RendezvousInfo, generation: int,
+               recovery: bool) -> tuple[TransitionDone, dict[str, Any] | None]:
+    """Join the round after ``old`` and learn how it starts: (done, plan), where plan is None
+    when ``done`` is already the end (an error, or group rank 0 restarts the workers)."""
     started = time.monotonic()
     try:
-        info = ctx.handler.next_rendezvous()
+        info = _next_round(ctx, started)
     except RendezvousError as exc:
-        return TransitionDone(generation, error=exc)
+        return TransitionDone(generation, error=exc, recovery=recovery), None
     formed_ms = (time.monotonic() - started) * 1000
     try:
         assignment = assign(info, ctx.handler, ctx.nproc, ctx.role, ctx.host, ASSIGN_TIMEOUT,
                             formed_ms / 1000, ctx.max_nodes)
         plan = start_round(ctx, info, assignment, old)
     except RendezvousError as exc:
-        return TransitionDone(generation, info, error=exc, formed_ms=formed_ms)
-    done = TransitionDone(generation, info, assignment, formed_ms=formed_ms)
+        return TransitionDone(generation, info, error=exc, formed_ms=formed_ms,
+                              recovery=recovery), None
+    done = TransitionDone(generation, info, assignment, formed_ms=formed_ms, recovery=recovery)
     if plan.get("mode") != Mode.IN_PROCESS.value:
-        why = _why(old)
-        return replace(done, reason=why or "group rank 0 restarts the workers")
+        return replace(done, reason=_why(old) or "group rank 0 restarts the workers"), None
+    return done, plan
+
+
+def member_transition(ctx: SwitchContext, old: RendezvousInfo, generation: int) -> TransitionDone:
+    """A running member's part of a planned change: background round, then switch."""
+    done, plan = _join_next(ctx, old, generation, recovery=False)
+    if plan is None:
+        return done
+    assert done.info is not None and done.assignment is not None
     try:
-        return _switch(ctx, old, info, assignment, str(plan["prefix"]), done)
+        return _switch(ctx, old, done.info, done.assignment, str(plan["prefix"]), done)
     except RendezvousError as exc:
         return replace(done, reason=f"the switch failed: {type(exc).__name__}: {exc}")
 
@@ -409,22 +420,11 @@ def recovery_transition(ctx: SwitchContext, old: RendezvousInfo,
     next round forms without the lost node, and every survivor enters the new group and adopts
     the state of the most advanced survivor."""
     ctx.link.send_all(lambda lr: {"op": "abort"})
-    started = time.monotonic()
-    try:
-        info = _next_round(ctx, started)
-    except RendezvousError as exc:
-        return TransitionDone(generation, error=exc)
-    formed_ms = (time.monotonic() - started) * 1000
-    try:
-        assignment = assign(info, ctx.handler, ctx.nproc, ctx.role, ctx.host, ASSIGN_TIMEOUT,
-                            formed_ms / 1000, ctx.max_nodes)
-        plan = start_round(ctx, info, assignment, old)
-    except RendezvousError as exc:
-        return TransitionDone(generation, info, error=exc, formed_ms=formed_ms)
-    done = TransitionDone(generation, info, assignment, formed_ms=formed_ms, recovery=True)
-    if plan.get("mode") != Mode.IN_PROCESS.value:
-        why = _why(old)
-        return replace(done, reason=why or "group rank 0 restarts the workers")
+    done, plan = _join_next(ctx, old, generation, recovery=True)
+    if plan is None:
+        return done
+    info, assignment, formed_ms = done.info, done.assignment, done.formed_ms or 0.0
+    assert info is not None and assignment is not None
     link, group_rank = ctx.link, assignment.group_rank
     try:
         link.send_all(lambda lr: worker_plan(assignment, lr, str(plan["prefix"])))
