@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rdzv.agent._channel import ChannelClient, ChannelError, ChannelServer, decode
+from rdzv._channel import ChannelClient, ChannelError, ChannelServer, decode
 
 
 def test_a_worker_says_hello_and_messages_go_both_ways() -> None:

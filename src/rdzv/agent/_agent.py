@@ -35,7 +35,7 @@ from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ._config import LaunchConfig
 from ._errors import WorkerFailure, failure_summary, read_error_file
 from ._changes import Mode
-from ._channel import ENV_CHANNEL, ENV_JOIN
+from .._channel import ENV_CHANNEL, ENV_JOIN
 from ._grouprun import PROGRESS_INTERVAL, Action, GroupRun, Outcome, Signalled
 from ._round import Assignment, assign, mark_done, wait_until_others_left
 from ._transition import (

@@ -33,7 +33,7 @@ from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
 from ..store import Store
 from ._changes import Mode, choose_mode, recovery_plan, switch_step
-from ._channel import ChannelServer
+from .._channel import ChannelServer
 from ._round import (
     CAPABLE_DIR,
     JOIN_KEY,

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..agent._channel import ENV_JOIN
+from .._channel import ENV_JOIN
 from ..errors import RendezvousError, RendezvousParameterError
 from ._group import STORE_TIMEOUT, agent_link, group_sockets, group_store, init_group
 from ._statesync import receive_state, send_state

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ..agent._channel import ENV_CHANNEL, ENV_JOIN, ChannelClient
+from .._channel import ENV_CHANNEL, ENV_JOIN, ChannelClient
 from ..errors import RendezvousParameterError
 from ._abort import GroupSockets
 

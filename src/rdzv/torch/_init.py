@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..errors import RendezvousParameterError
 from ..store import Store
-from ..agent._channel import ENV_JOIN
+from .._channel import ENV_JOIN
 from ._group import group_options, group_sockets, join_running_group
 from ._store import TorchStore
 

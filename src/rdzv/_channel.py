@@ -25,7 +25,7 @@ worker -> agent:
 
 The channel is local to one machine (a socket file only the agent's user can open) and carries
 JSON only. This module does the framing and checking; the agent side is :class:`ChannelServer`,
-the worker side :class:`ChannelClient`.
+the worker side :class:`ChannelClient`. It sits below both ``rdzv.agent`` and ``rdzv.torch``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from ..errors import RendezvousError
+from .errors import RendezvousError
 
 logger = logging.getLogger(__name__)
 
