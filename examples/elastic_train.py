@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -90,6 +91,14 @@ def parameters_agree(model: nn.Module) -> bool:
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     return bool(torch.equal(highest, lowest))
+
+
+def exit_now() -> None:
+    """Exit at once, DDP and its process group still held: with torch 2.13, releasing a gloo
+    group that DDP held can deadlock in its destructor (see rdzv.torch.destroy_process_group)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def shard(step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
@@ -175,11 +184,11 @@ def main() -> None:
     global_loss = state.run(train)
     if state.left:  # this node left the job: the others train on without it
         print(f"left the job after step {state.step}", flush=True)
-        return
-    dist.barrier()
-    dist.destroy_process_group()
+        exit_now()
+    rdzv.torch.destroy_process_group()  # a barrier, then torch's (see its docstring)
     if state.rank == 0 and not global_loss.isnan():
         print(f"done: {state.step} steps, final loss {global_loss.item():.5f}", flush=True)
+    exit_now()
 
 
 if __name__ == "__main__":

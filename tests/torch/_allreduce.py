@@ -38,8 +38,7 @@ def main() -> None:
         "local_rank": os.environ.get("LOCAL_RANK"),
         "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
     }
-    dist.barrier()
-    dist.destroy_process_group()
+    rdzv.torch.destroy_process_group()  # a barrier, then torch's (see its docstring)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(record, handle)
     if store is not None:
@@ -48,3 +47,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # no torch destructors at exit (see rdzv.torch.destroy_process_group)
+    sys.stderr.flush()
+    os._exit(0)

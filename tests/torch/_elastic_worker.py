@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -48,11 +49,13 @@ def main() -> None:
     state.run(train)
     if state.left:
         return
-    dist.barrier()
-    dist.destroy_process_group()
+    rdzv.torch.destroy_process_group()  # a barrier, then torch's (see its docstring)
     if state.rank == 0:
         print(f"done: {state.step} steps", flush=True)
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # no torch destructors at exit (see rdzv.torch.destroy_process_group)
+    sys.stderr.flush()
+    os._exit(0)

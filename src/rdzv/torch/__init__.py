@@ -19,7 +19,7 @@ from ._handler import (
     register_torch_backends,
 )
 from ._elastic import ElasticState, SwitchError
-from ._init import init_process_group
+from ._init import destroy_process_group, init_process_group
 from ._store import TorchStore
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "TorchRendezvousHandler",
     "TorchStore",
     "create_torch_handler",
+    "destroy_process_group",
     "init_process_group",
     "register_torch_backends",
     "torchrun_handler_creator",
