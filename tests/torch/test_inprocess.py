@@ -38,6 +38,21 @@ def agent_args(tmp_path: Path, port: int, *extra: str) -> list[str]:
             "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5", *extra]
 
 
+def example_args(tmp_path: Path, log: Path, steps: int, *agent_extra: str) -> list[str]:
+    """An agent running the example, rank 0 logging every step to ``log``."""
+    return agent_args(tmp_path, free_port(), *agent_extra) + [
+        EXAMPLE, "--steps", str(steps), "--checkpoint", str(tmp_path / "model.ckpt"),
+        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
+    ]
+
+
+def start_nodes(launcher: Launcher, args: list[str], count: int) -> list[Any]:
+    """``count`` agents; the first is up (serving the tcp store) before the others start."""
+    first = launcher.start(args)
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    return [first] + [launcher.start(args) for _ in range(count - 1)]
+
+
 @pytest.mark.timeout(600)
 def test_a_join_and_a_graceful_leave_switch_in_process(launcher: Launcher,
                                                        tmp_path: Path) -> None:
@@ -148,13 +163,8 @@ def phases(entries: list[dict[str, Any]]) -> list[int]:
 def test_a_killed_node_is_survived_in_process_and_replaced(launcher: Launcher,
                                                            tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
-    args = agent_args(tmp_path, free_port(), "--max-restarts", "0") + [
-        EXAMPLE, "--steps", "450", "--checkpoint", str(tmp_path / "model.ckpt"),
-        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
-    ]
-    first = launcher.start(args)
-    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    second, victim = launcher.start(args), launcher.start(args)
+    args = example_args(tmp_path, log, 450, "--max-restarts", "0")
+    first, second, victim = start_nodes(launcher, args, 3)
 
     def steps_at(world_size: int, after: int = 0) -> int:
         return sum(1 for e in progress(log)[after:] if e["world_size"] == world_size)
@@ -201,14 +211,9 @@ def worker_pid(agent_pid: int) -> int:
 def test_a_hung_node_is_dropped_after_its_heartbeat_bound(launcher: Launcher,
                                                           tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
-    args = agent_args(tmp_path, free_port(), "--max-restarts", "0") + [
-        EXAMPLE, "--steps", "250", "--checkpoint", str(tmp_path / "model.ckpt"),
-        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
-    ]
+    args = example_args(tmp_path, log, 250, "--max-restarts", "0")
     args[args.index("last_call_timeout=1")] = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
-    first = launcher.start(args)
-    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    second, hung = launcher.start(args), launcher.start(args)
+    first, second, hung = start_nodes(launcher, args, 3)
     wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
              "20 steps at world size 3")
     stopped = [hung.pid, worker_pid(hung.pid)]
@@ -233,14 +238,9 @@ def test_a_hung_node_is_dropped_after_its_heartbeat_bound(launcher: Launcher,
 def test_survivors_below_min_nodes_wait_and_resume_in_process(launcher: Launcher,
                                                               tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
-    args = agent_args(tmp_path, free_port(), "--max-restarts", "0") + [
-        EXAMPLE, "--steps", "200", "--checkpoint", str(tmp_path / "model.ckpt"),
-        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
-    ]
+    args = example_args(tmp_path, log, 200, "--max-restarts", "0")
     args[args.index("1:3")] = "2:3"
-    first = launcher.start(args)
-    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    victim = launcher.start(args)
+    first, victim = start_nodes(launcher, args, 2)
     wait_for(lambda: len(progress(log)) >= 20, PHASE_TIMEOUT, "20 steps at world size 2")
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait(PHASE_TIMEOUT)
@@ -262,13 +262,8 @@ def test_survivors_below_min_nodes_wait_and_resume_in_process(launcher: Launcher
 def test_a_crashed_worker_rejoins_from_a_peer_while_the_others_recover(launcher: Launcher,
                                                                        tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
-    args = agent_args(tmp_path, free_port(), "--max-restarts", "1") + [
-        EXAMPLE, "--steps", "250", "--checkpoint", str(tmp_path / "model.ckpt"),
-        "--progress", str(log), "--log-every", "1", "--save-every", "50", "--step-sleep", "0.03",
-    ]
-    first = launcher.start(args)
-    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    second, crashing = launcher.start(args), launcher.start(args)
+    args = example_args(tmp_path, log, 250, "--max-restarts", "1")
+    first, second, crashing = start_nodes(launcher, args, 3)
     wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
              "20 steps at world size 3")
     os.kill(worker_pid(crashing.pid), signal.SIGKILL)  # the worker alone; its node survives
