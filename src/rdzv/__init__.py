@@ -26,6 +26,7 @@ from .errors import (
     StoreError,
     StoreProtocolError,
     StoreTimeoutError,
+    StoreUnsupportedError,
     StoreValueError,
 )
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ __all__ = [
     "StoreError",
     "StoreProtocolError",
     "StoreTimeoutError",
+    "StoreUnsupportedError",
     "StoreValueError",
     "TCPStore",
     "get_rendezvous_handler",

@@ -26,10 +26,12 @@ from ..errors import SessionExpiredError, StoreConnectionError, StoreError, Stor
 from ._base import (
     DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
+    Conditions,
     Store,
     StoreCapabilities,
     Timeout,
     Value,
+    check_conditional_write,
     check_key,
     timeout_error,
     to_bytes,
@@ -99,7 +101,9 @@ class FileStore(Store):
     when the records after the last snapshot exceed both this and the snapshot's size.
     """
 
-    capabilities = StoreCapabilities(watch=False, ephemeral=True, listing=True, multi_process=True)
+    capabilities = StoreCapabilities(
+        watch=False, ephemeral=True, listing=True, multi_process=True, conditional=True
+    )
 
     def __init__(
         self,
@@ -435,6 +439,12 @@ class FileStore(Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         checked, data = [check_key(k) for k in keys], [to_bytes(v) for v in values]
         self._mutate(lambda s: s.multi_set(checked, data))
+
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        checked, names, data = check_conditional_write(conditions, keys, values)
+        return self._mutate(lambda s: s.multi_set_if(checked, names, data))[0]
 
     def append(self, key: str, value: Value) -> None:
         check_key(key)
