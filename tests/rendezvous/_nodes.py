@@ -131,7 +131,9 @@ class ProcessNode(PipedChild):
     """A handler in a child process, killable with real signals."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        super().__init__(os.path.abspath(__file__), json.dumps(spec))
+        # (a node that stops itself runs in its own process group: see PipedChild)
+        super().__init__(os.path.abspath(__file__), json.dumps(spec),
+                         own_group="stop_in_seal" in spec)
         self._ids = itertools.count()
         self._pending: dict[int, Pending] = {}
         self._ready = Pending()

@@ -17,7 +17,10 @@ that is killed, hung or cut off loses its ephemeral keys.
 A lost connection is re-established (with backoff, within the call's timeout) and the session
 resumed, so a client carries on across a restart of a durable server. Every unacknowledged write
 is resent after a reconnect, in order; the server applies none twice (it remembers the last write
-request id of each session and answers a resent one without applying it).
+request id of each session and answers a resent one without applying it). If the session expired
+meanwhile, only reads and conditional writes are sent again; the other unconfirmed writes are
+dropped and named by the SessionExpiredError that reports the expiry (docs/protocol.md,
+"Session expiry").
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 one blocking socket (``TCP_NODELAY``) under one lock. It sends a request and reads its answer,
 sends the void writes without waiting (*pipelined*: their answers, or for quiet SETs the answer
 to any later request, confirm them in order), re-establishes a lost connection within the call's
-timeout (resuming the session and resending every unconfirmed write, in order), and maps the
+timeout (resuming the session and resending every unconfirmed write, in order; after a session
+expired, only what is safe to apply again: :meth:`StoreConnection._drop_unresendable`), and maps the
 server's errors to the rdzv error types. Its keepalive pings an idle connection (called every
 ``session_ttl / 3`` seconds by the one keepalive thread of the process). The handshake of each
 new connection is :mod:`._tcp_handshake`.
