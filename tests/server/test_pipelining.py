@@ -322,3 +322,34 @@ def test_a_server_without_conditional_writes_is_a_clear_error_then_a_capability(
     finally:
         store.close()
         server.stop()
+
+
+def test_a_conditional_write_is_durable_and_applied_once_across_a_sigkill(tmp_path: object) -> None:
+    """MULTI_SET_IF on a durable server: acknowledged means logged (it survives a SIGKILL of
+    the server), and resent on the resumed session it is answered as before, not applied again
+    (were it checked again, its own write would make it fail)."""
+    data_dir = os.path.join(str(tmp_path), "data")
+    server, port = start_server_process("--data-dir", data_dir, "--fsync", "never")
+    raw = again = None
+    try:
+        raw = Raw(port)
+        raw.handshake(ttl=30)
+        fenced = P.encode_multi_set_if(1, [(b"status", None)], [b"status", b"rank/a"], [b"s", b"0"])
+        raw.send(fenced)
+        assert P.decode_response(raw.frame()) == (P.STATUS_OK, 1, P.TRUE)
+        server.kill()
+        server.wait()
+        server, _ = start_server_process("--data-dir", data_dir, "--fsync", "never", port=port)
+        again = Raw(port)
+        assert again.handshake(resume=raw.session, token=raw.token, ttl=30).resumed
+        again.send(fenced)  # its answer was lost, as far as the client knows: resent
+        assert P.decode_response(again.frame()) == (P.STATUS_OK, 1, P.TRUE)
+        with TCPStore("127.0.0.1", port, timeout=30) as reader:
+            assert reader.multi_get(["status", "rank/a"]) == [b"s", b"0"]
+            assert reader.multi_set_if({"status": None}, ["status"], ["other"]) is False
+    finally:
+        for conn in (raw, again):
+            if conn is not None:
+                conn.close()
+        server.kill()
+        server.wait()
