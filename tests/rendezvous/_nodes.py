@@ -13,7 +13,8 @@ RendezvousParameters (``backend``, ``endpoint``, ``run_id``, ``min_nodes``, ``ma
 ``local_addr`` and the backend options), and optionally ``stop_in_seal``: a file path; the
 node then stops itself (a real SIGSTOP) in its first seal, after listing the joiners and before
 writing its decision, once it has written the number of joiners it listed to that file (a
-paused sealer: a VM freeze, a long GC pause).
+paused sealer: a VM freeze, a long GC pause); it goes on only once the file ``<path>.go``
+exists (the test creates it, then sends SIGCONT).
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def _stop_in_first_seal(marker: str) -> None:
         with open(marker + ".tmp", "w") as out:
             out.write(str(len(listed)))
         os.rename(marker + ".tmp", marker)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        while not os.path.exists(marker + ".go"):  # a SIGCONT from elsewhere: stop again
+            os.kill(os.getpid(), signal.SIGSTOP)
         return seal(self, r, listed)
 
     DynamicRendezvousHandler._seal = stopping_seal  # type: ignore[method-assign]
