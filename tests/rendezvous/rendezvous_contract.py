@@ -184,8 +184,8 @@ class RendezvousContract:
         marker = str(tmp_path / "stopped-in-seal")
         fast = {"last_call_timeout": 0.3, **cluster.hung_options}
         stale = cluster.node(2, 4, stop_in_seal=marker, **fast)
-        late_call = {"last_call_timeout": 3.0, **cluster.hung_options}
-        a, c = cluster.node(2, 4, **late_call), cluster.node(2, 4, **late_call)
+        # (a and c keep the cluster's longer ttl: a loaded machine must not expire them too)
+        a, c = cluster.node(2, 4, last_call_timeout=3.0), cluster.node(2, 4, last_call_timeout=3.0)
         stale_pending = stale.request("next")
         eventually(lambda: stale.call("waiting") >= 1, AT_ONCE, "the sealer waits in round 0")
         pending = [a.request("next"), c.request("next")]
