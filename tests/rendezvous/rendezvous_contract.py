@@ -37,6 +37,15 @@ AT_ONCE = 30.0
 
 
 
+def process_state(pid: int) -> str:
+    """The state letter /proc gives process ``pid`` (T: stopped), for failure messages."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
 def form(nodes: list[Any], timeout: float = AT_ONCE) -> list[dict[str, Any]]:
     """Every node calls next_rendezvous; their results in the order of ``nodes``."""
     pending = [node.request("next") for node in nodes]
@@ -201,8 +210,11 @@ class RendezvousContract:
             stale.resume()
         # The stale node either joins again as a new node (a and c see it waiting for round
         # 1), or, where its store cannot give it a new session (FileStore), fails clearly.
-        eventually(lambda: stale_pending.done() or a.call("waiting") >= 1, AT_ONCE,
-                   "the stale node's outcome")
+        try:
+            eventually(lambda: stale_pending.done() or a.call("waiting") >= 1, AT_ONCE,
+                       "the stale node's outcome")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (its process state: {process_state(stale.pid)})")
         store, keys = cluster.raw_store(), RunKeys("job")
         round0 = {"status": store.try_get(keys.status(0)), "ranks": store.list_keys(
             keys.round(0) + "rank/")}  # (read before a and c delete their rank records)
