@@ -269,8 +269,7 @@ class StoreConnection(ClientHandshake):
             raise exc
         self._check_frame_size(frame)
         attempts = 1 if reason is not None else 0
-        sent_in = self._session if reason is not None else None
-        """The session this request may have reached (sent, unanswered), if any."""
+        sent_in = self._session if reason is not None else None  # the session it may have reached
         while True:
             sock = self._sock
             if sock is None:
