@@ -405,12 +405,11 @@ class ElasticAgent:
 
     def _close(self, reason: str) -> None:
         try:
-            closed_before = self.handler.is_closed()
             self.handler.set_closed()
         except RendezvousError as exc:
             self.say(f"could not close the rendezvous: {exc}")
             return
-        if not closed_before:  # the node that closed it says so (the others find it closed)
+        if getattr(self.handler, "closed_here", True):  # one node says so: the one that closed it
             record(self.handler, "run_closed", reason=reason)
 
     def _record_started(self, assignment: Assignment, joining: bool) -> None:

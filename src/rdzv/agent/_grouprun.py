@@ -194,6 +194,8 @@ class GroupRun:
             self._say_capable()
         elif isinstance(event, WorkersBroken):
             if not self.transition and self._leaving is None and self._recoverable():
+                report_losses(self.agent.handler, self.info,
+                              session_ttl(self.agent.config.rdzv_conf))
                 self._start_recovery("a worker's process group failed (a peer is gone)")
         elif isinstance(event, TransitionDone):
             return self._on_transition_done(event)
@@ -311,7 +313,8 @@ class GroupRun:
                       f"{done.error}); re-forming")
             return Outcome(Action.REFORM)
         if done.mode is Mode.IN_PROCESS and done.info is not None and done.assignment:
-            if done.info is not self.info:  # a member switched (a newcomer joined: same round)
+            newcomer = done.info is self.info  # a newcomer joined a running group: same round
+            if not newcomer:  # a member switched (a newcomer joined: same round)
                 self._unwatch()
                 agent.adopt(self.group, done.assignment)
                 self.info, self.assignment = done.info, done.assignment
@@ -324,7 +327,7 @@ class GroupRun:
                           f"at its step {done.switch_step}")
             record(agent.handler,
                    "recovered_in_process" if done.recovery else "switched_in_process",
-                   step=done.switch_step, newcomer=done.info is self.info or None,
+                   step=done.switch_step, newcomer=newcomer or None,
                    pause_s=None if done.pause_ms is None else round(done.pause_ms / 1000, 6))
             agent.link.forget("switched", "broken", "missed", "failed")
             self._say_capable()

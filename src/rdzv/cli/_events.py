@@ -32,6 +32,7 @@ def events_command(args: argparse.Namespace, store: Store, run_id: str) -> int:
     keys = RunKeys(run_id)
     reported: set[str] = set()
     printed = 0
+    seen_closed = False
     next_seq = int(since_time * 1e6) if since_time is not None else 0
     try:
         while True:
@@ -56,6 +57,7 @@ def events_command(args: argparse.Namespace, store: Store, run_id: str) -> int:
             if closed:
                 return 0
             if store.try_get(keys.closed) is not None:
+                seen_closed = True
                 time.sleep(SETTLE)  # its last events (run_closed) are on their way
                 continue
             if store.watch(events_dir(keys), revision, FOLLOW_POLL) > revision:
@@ -63,6 +65,10 @@ def events_command(args: argparse.Namespace, store: Store, run_id: str) -> int:
     except KeyboardInterrupt:
         return 0
     except RendezvousError as exc:
+        if seen_closed:  # the run ended and its store went with it (a node served it)
+            print(f"rdzv status: the run's store went away after it closed ({exc})",
+                  file=sys.stderr)
+            return 0
         print(f"rdzv status: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

@@ -192,6 +192,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """The run's history, written in the background (the agent records its events too)."""
         self._left_marks: list[str] = []
         """Leave marks the last seal consumed, deleted with the garbage."""
+        self.closed_here = False
+        """This node's :meth:`set_closed` closed the rendezvous (it was open until then)."""
 
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -209,7 +211,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def set_closed(self) -> None:
         keys, store = self._keys, self._query()
-        store.set(keys.closed, b"1")
+        me = self._node_id.encode()
+        self.closed_here = store.compare_set(keys.closed, b"", me) == me
         forming = self._latest_sealed(store) + 1
         for _ in range(100):  # a racing seal moves the forming round on; bounded anyway
             current = store.compare_set(keys.status(forming), b"", CLOSED_STATUS)

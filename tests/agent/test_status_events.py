@@ -189,6 +189,7 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
               left=[{"node": d_id, "reason": lost_reason}])
     i = index("training_paused", i, cause="membership_change")
     index("run_closed", i, reason="workers_succeeded")
+    assert [r["kind"] for r in records].count("run_closed") == 1  # said by the node that closed it
     assert all(r["fields"]["formation_s"] >= 0 for r in rounds.values())
 
     text = cli(backend)
