@@ -122,6 +122,8 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
         c = agents.start(args)
         joined = formed(3, first.round)
         assert joined.fields["cause"] == "join"
+        wait_for(lambda: sum(e.kind == "workers_started" and e.round == joined.round
+                             for e in history()) == 3, JOIN, "the workers of the round of 3")
         c.signal(signal.SIGTERM)  # a graceful leave
         assert c.wait() == 0
         after_leave = formed(2, joined.round)

@@ -1,4 +1,5 @@
-"""``rdzv status``: a run at a glance (round, members, liveness, waiting nodes), once or live."""
+"""``rdzv status``: a run at a glance (round, members, liveness, waiting nodes), once or live;
+with ``--events`` its history (a timeline or JSON lines), once or followed."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..rendezvous import RunEvent
+    from ..store import Store
 
 USAGE_ERROR = 2
+FOLLOW_POLL = 0.5
+"""Seconds between reads of the history with --follow (a write wakes the reader sooner)."""
+SETTLE = 0.5
+"""With --follow, events younger than this wait for the next read: one written a little late
+(a background writer, another host's clock) is not skipped."""
 
 
 def register(subparsers: Any) -> None:
@@ -95,8 +105,6 @@ def status_command(args: argparse.Namespace) -> int:
               f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
         return 1
     if args.events:
-        from ._events import events_command
-
         return events_command(args, store, params.run_id)
     base = RunKeys(params.run_id).base
     reports = 0
@@ -128,3 +136,66 @@ def status_command(args: argparse.Namespace) -> int:
         return 1
     finally:
         store.close()
+
+
+def events_command(args: argparse.Namespace, store: "Store", run_id: str) -> int:
+    """``--events``: print the history of ``run_id`` as a timeline or JSON lines, once or
+    followed (the store is closed by the caller)."""
+    from ..errors import RendezvousError
+    from ..rendezvous._history import events_dir, read_events
+    from ..rendezvous._layout import RunKeys
+    from ..rendezvous._timeline import parse_since
+
+    try:
+        since_time = parse_since(args.since, time.time()) if args.since is not None else None
+    except ValueError as exc:
+        print(f"rdzv status: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    keys = RunKeys(run_id)
+    reported: set[str] = set()
+    printed = 0
+    seen_closed = False
+    next_seq = int(since_time * 1e6) if since_time is not None else 0
+    try:
+        while True:
+            revision = store.revision(events_dir(keys)) if args.follow else 0
+            closed = args.follow and store.try_get(keys.closed) is not None
+            # Once the run is closed the last events are read whole: nothing settles later.
+            log = read_events(store, run_id, since_seq=next_seq,
+                              settle_s=SETTLE if args.follow and not closed else 0.0)
+            for message in log.corrupt:
+                if message not in reported:
+                    reported.add(message)
+                    print(f"rdzv status: skipped a corrupt event: {message}", file=sys.stderr)
+            for event in log.events:
+                if since_time is None or event.time >= since_time:
+                    _print(event, args.json)
+                    printed += 1
+            next_seq = log.next_seq
+            if not args.follow:
+                if printed == 0 and not args.json:
+                    print(f"run {run_id}: no events" + (" in that time" if args.since else ""))
+                return 0
+            if closed:
+                return 0
+            if store.try_get(keys.closed) is not None:
+                seen_closed = True
+                time.sleep(SETTLE)  # its last events (run_closed) are on their way
+                continue
+            if store.watch(events_dir(keys), revision, FOLLOW_POLL) > revision:
+                time.sleep(SETTLE)  # read what was written once it has settled
+    except KeyboardInterrupt:
+        return 0
+    except RendezvousError as exc:
+        if seen_closed:  # the run ended and its store went with it (a node served it)
+            print(f"rdzv status: the run's store went away after it closed ({exc})",
+                  file=sys.stderr)
+            return 0
+        print(f"rdzv status: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _print(event: "RunEvent", as_json: bool) -> None:
+    from ..rendezvous._timeline import format_event
+
+    print(json.dumps(event.to_json()) if as_json else format_event(event), flush=True)

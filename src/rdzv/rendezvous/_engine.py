@@ -41,15 +41,8 @@ from ._decisions import (
     nodes_waiting,
     plan_ranks,
 )
-from ._history import (
-    DEFAULT_HISTORY_SIZE,
-    EventWriter,
-    RunEvent,
-    decode_event,
-    encode_event,
-    round_event_key,
-)
-from ._history_facts import decode_left_mark, encode_left_mark, round_formed
+from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent, encode_event, round_event_key
+from ._history_facts import encode_left_mark, round_event
 from ._layout import (
     CLOSED_STATUS,
     Decision,
@@ -517,39 +510,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         records = encode_ranks(ranks, decision)
         names = [keys.rank(r, node_id) for node_id in records] + [keys.status(r), keys.sealed]
         values = [*records.values(), encode_decision(decision), str(r).encode()]
-        event = self._round_event(r, ranks, joiners, reads)
-        if event is not None:  # the history's event travels with the seal (no round trip)
+        if self._history_size > 0:  # the history's event travels with the seal (no round trip)
+            event, self._left_marks = round_event(keys, r, ranks, joiners, reads, self._node_id)
             names.append(round_event_key(keys, r))
             values.append(encode_event(event))
         self._store.multi_set(names, values)
         logger.info("rendezvous %s round %d sealed by %s: world_size %d",
                     keys.run_id, r, self._node_id, decision.world_size)
         return records.get(self._node_id)
-
-    def _round_event(self, r: int, ranks: dict[str, int], joiners: dict[str, NodeDescriptor],
-                     reads: Reads) -> RunEvent | None:
-        """Round r's ``round_formed`` event, from what the seal's read brought (the previous
-        round's event, the leave marks); None if the history is off. The marks it consumed
-        are deleted with this node's garbage."""
-        if self._history_size <= 0:
-            return None
-        keys = self._keys
-        previous = None
-        raw = reads.values.get(round_event_key(keys, r - 1)) if r > 0 else None
-        if raw is not None:
-            try:
-                previous = decode_event(round_event_key(keys, r - 1), raw)
-            except RendezvousStateError as exc:
-                logger.warning("history: %s", exc)
-        listed = reads.lists.get(keys.left_dir(r), {})
-        prefix = len(keys.left_dir(r))
-        marks = {key[prefix:]: decode_left_mark(value) for key, value in listed.items()}
-        self._left_marks = list(listed)
-        return round_formed(
-            r, ranks, {node_id: node.prev_rank for node_id, node in joiners.items()},
-            [node.joined_at for node in joiners.values() if node.joined_at is not None],
-            previous, marks, False, self._node_id,
-        )
 
     def _wait_for_sealer(self, r: int, deadline: float) -> None:
         """Wait until the node holding round r's sealer lock releases it (done, or dead).

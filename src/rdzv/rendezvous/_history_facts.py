@@ -2,15 +2,21 @@
 changed (members, newcomers, who left and why, its cause) and why a lost member was lost.
 
 No I/O here: the sealer (``_engine.py``) and the agent (``agent/_history.py``) gather the
-observations and write the events.
+observations (in reads they make anyway, for the sealer) and write the events.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Mapping, Sequence
 
-from ._history import LEAVE_REASONS, RunEvent, clip, new_event
+from ..errors import RendezvousStateError
+from ..store import Reads
+from ._history import LEAVE_REASONS, RunEvent, clip, decode_event, new_event, round_event_key
+from ._layout import NodeDescriptor, RunKeys
+
+logger = logging.getLogger(__name__)
 
 _MARK_REASONS = frozenset(LEAVE_REASONS) - {"closed"}
 
@@ -107,3 +113,26 @@ def round_formed(
         fields["members_count"] = len(members)
     return RunEvent(event.seq, event.time, event.kind, r, sealer,
                     {k: v for k, v in fields.items() if v is not None})
+
+
+def round_event(keys: RunKeys, r: int, ranks: Mapping[str, int],
+                joiners: Mapping[str, NodeDescriptor], reads: Reads,
+                sealer: str) -> tuple[RunEvent, list[str]]:
+    """Round r's ``round_formed`` event from what the seal's read brought (the previous round's
+    event, round r's leave marks), and the leave marks it consumed (to delete)."""
+    previous = None
+    raw = reads.values.get(round_event_key(keys, r - 1)) if r > 0 else None
+    if raw is not None:
+        try:
+            previous = decode_event(round_event_key(keys, r - 1), raw)
+        except RendezvousStateError as exc:
+            logger.warning("history: %s", exc)
+    listed = reads.lists.get(keys.left_dir(r), {})
+    prefix = len(keys.left_dir(r))
+    marks = {key[prefix:]: decode_left_mark(value) for key, value in listed.items()}
+    event = round_formed(
+        r, ranks, {node_id: node.prev_rank for node_id, node in joiners.items()},
+        [node.joined_at for node in joiners.values() if node.joined_at is not None],
+        previous, marks, False, sealer,
+    )
+    return event, list(listed)
