@@ -46,7 +46,9 @@ def main():
 main()
 """
 
-SETTINGS = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
+SETTINGS = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=5"
+"""A 5 s session ttl: a loaded machine does not stall a live agent that long; a SIGKILLed node
+on etcd is dropped when its lease runs out."""
 
 
 @pytest.fixture(params=["tcp", "etcd", "file"])
