@@ -345,3 +345,21 @@ def test_a_store_that_refuses_history_writes_fails_no_rendezvous() -> None:
         info = handler.next_rendezvous()  # the rendezvous goes on
         assert info.world_size == 1
         handler.shutdown()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--follow"], "--since and --follow go with --events"),
+    (["--since", "10m"], "--since and --follow go with --events"),
+    (["--events", "--watch"], "--events takes --follow, not --watch"),
+    (["--events", "--since", "yesterday"], "is neither a duration (10m, 90s, 2h, 1d)"),
+])
+def test_status_events_usage_errors(server: Any, argv: list[str], message: str) -> None:
+    result = rdzv_cli("status", f"tcp://127.0.0.1:{server.port}/job", *argv)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_status_events_of_a_run_without_history(server: Any) -> None:
+    result = rdzv_cli("status", f"tcp://127.0.0.1:{server.port}/job", "--events")
+    assert (result.returncode, result.stdout) == (0, "run job: no events\n")
+    as_json = rdzv_cli("status", f"tcp://127.0.0.1:{server.port}/job", "--events", "--json")
+    assert (as_json.returncode, as_json.stdout) == (0, "")
