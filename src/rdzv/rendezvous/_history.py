@@ -13,11 +13,12 @@ key                                event
 
 A value is a JSON object ``{"v": 1, "t": "event", "seq", "time", "kind", "round", "node",
 "fields"}``. ``seq`` is the writer's wall clock in microseconds when it wrote the event, made
-strictly increasing within a process: it orders the events of a run (gaps allowed) with no
-store round trip. Events written at the same moment on two hosts are ordered to within their
-clocks' skew; a follower (``since_seq``) passes ``settle_s`` to read only events older than
-that many seconds, so that an event written late (a background writer, a skewed clock) is not
-skipped.
+strictly increasing within a process: it orders the writes of a run (gaps allowed) with no
+store round trip; ``time`` is when the event happened (earlier for an event written in the
+background), and the reader returns events in that order. Writes at the same moment on two
+hosts are ordered to within their clocks' skew; a follower (``since_seq``) passes ``settle_s``
+to read only events written at least that long ago, so that one that reaches the store a
+little late (a skewed clock, a slow write) is not skipped.
 
 The history is bounded: writers prune it (:func:`prune_plan`) to the newest ``history_size``
 events once it exceeds that by :func:`prune_slack`. A record that is not valid is reported in
