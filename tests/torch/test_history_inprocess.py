@@ -4,27 +4,17 @@ long training paused, and no worker restart."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
-from _launcher import EXAMPLES, PYTHON, RDZV_RUN, Launcher, free_port
+from _launcher import PYTHON, RDZV_RUN, Launcher, free_port
 from _waiting import eventually as wait_for
+from test_inprocess import EXAMPLE, PHASE_TIMEOUT, progress
 
 from rdzv.rendezvous import format_event, read_events
 from rdzv.store._tcp import TCPStore
-
-EXAMPLE = str(EXAMPLES / "elastic_train.py")
-PHASE_TIMEOUT = 120.0
-
-
-def progress(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.timeout(600)
