@@ -31,14 +31,18 @@ from .errors import (
 )
 if TYPE_CHECKING:
     from .rendezvous import (
+        EventLog,
+        EventWriter,
         RendezvousHandler,
         RendezvousHandlerRegistry,
         RendezvousInfo,
         RendezvousParameters,
         RendezvousStoreInfo,
+        RunEvent,
         get_rendezvous_handler,
         handler_registry,
         parse_rendezvous_url,
+        read_events,
         rendezvous_url,
     )
     from .server import StoreServer
@@ -49,14 +53,18 @@ _EXPORTS = {
         "EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "StoreCapabilities", "TCPStore"
     )},
     **{name: ".rendezvous" for name in (
+        "EventLog",
+        "EventWriter",
         "RendezvousHandler",
         "RendezvousHandlerRegistry",
         "RendezvousInfo",
         "RendezvousParameters",
         "RendezvousStoreInfo",
+        "RunEvent",
         "get_rendezvous_handler",
         "handler_registry",
         "parse_rendezvous_url",
+        "read_events",
         "rendezvous_url",
     )},
     "StoreServer": ".server",
@@ -65,6 +73,8 @@ _EXPORTS = {
 __all__ = [
     "__version__",
     "EtcdStore",
+    "EventLog",
+    "EventWriter",
     "FileStore",
     "HashStore",
     "PrefixStore",
@@ -82,6 +92,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "RunEvent",
     "SessionExpiredError",
     "Store",
     "StoreServer",
@@ -97,6 +108,7 @@ __all__ = [
     "get_rendezvous_handler",
     "handler_registry",
     "parse_rendezvous_url",
+    "read_events",
     "rendezvous_url",
 ]
 

@@ -16,6 +16,9 @@ key                              meaning
                                  (its node id while held; empty or missing: free; the seal
                                  empties it with the decision's write)
 ``round/<r+1>/ctl/expect/<id>``  EPHEMERAL: joiner ``id`` of round r is alive (written on joining r)
+``round/<r+1>/left/<id>``        why member ``id`` of round r is not coming back (a leave reason,
+                                 for the history: read by r+1's sealer, then deleted)
+``events/...``                   the run's history (``_history.py``)
 ``round/<r>/user/...``           the members' own keys (``RendezvousInfo.store``)
 ===============================  ==================================================================
 
@@ -58,6 +61,7 @@ _CTL = "ctl/"
 _EXPECT = "expect/"
 """Under ``_CTL``."""
 _SEALER = "sealer"
+_LEFT = "left/"
 _ROUND_DIR = re.compile(rf"{re.escape(ROOT)}/[^/]+/round/[0-9]+/")
 
 
@@ -70,6 +74,8 @@ class NodeDescriptor:
     pid: int
     port: int
     prev_rank: int | None
+    joined_at: float | None = None
+    """The wall time it joined (for the history's formation time); None from older nodes."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,12 @@ class RunKeys:
 
     def expect(self, r: int, node_id: str) -> str:
         return self.expect_dir(r) + node_id
+
+    def left_dir(self, r: int) -> str:
+        return self.round(r) + _LEFT
+
+    def left(self, r: int, node_id: str) -> str:
+        return self.left_dir(r) + node_id
 
     def user(self, r: int) -> str:
         """The PrefixStore prefix of round ``r``'s members' own keys (no trailing slash)."""
@@ -225,7 +237,7 @@ def _field(key: str, data: dict[str, Any], name: str, kind: type, optional: bool
 
 def encode_node(node: NodeDescriptor) -> bytes:
     return _dump({"t": "node", "id": node.node_id, "host": node.host, "pid": node.pid,
-                  "port": node.port, "prev": node.prev_rank})
+                  "port": node.port, "prev": node.prev_rank, "at": node.joined_at})
 
 
 def decode_node(key: str, raw: bytes) -> NodeDescriptor:
@@ -236,6 +248,7 @@ def decode_node(key: str, raw: bytes) -> NodeDescriptor:
         pid=_field(key, data, "pid", int),
         port=_field(key, data, "port", int),
         prev_rank=_field(key, data, "prev", int, optional=True),
+        joined_at=_field(key, data, "at", float, optional=True),
     )
 
 
