@@ -184,14 +184,14 @@ def _stop_in_first_seal(marker: str) -> None:
 
     seal = DynamicRendezvousHandler._seal
 
-    def stopping_seal(self: Any, r: int, listed: dict[str, bytes]) -> Any:
+    def stopping_seal(self: Any, r: int, listed: dict[str, bytes], *args: Any) -> Any:
         DynamicRendezvousHandler._seal = seal  # type: ignore[method-assign]
         with open(marker + ".tmp", "w") as out:
             out.write(str(len(listed)))
         os.rename(marker + ".tmp", marker)
         while not os.path.exists(marker + ".go"):  # a SIGCONT from elsewhere: stop again
             os.kill(os.getpid(), signal.SIGSTOP)
-        return seal(self, r, listed)
+        return seal(self, r, listed, *args)
 
     DynamicRendezvousHandler._seal = stopping_seal  # type: ignore[method-assign]
 
