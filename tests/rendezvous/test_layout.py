@@ -43,8 +43,10 @@ def test_round_trips():
 
 def test_a_decision_carries_its_seal_in_its_status_and_every_rank_record():
     seal = seal_of("sealer:1:ab", {"a": 0, "b": 1}, "10.0.0.1", 29500)
-    decision = Decision(2, "10.0.0.1", 29500, seal)
+    decision = Decision(2, "10.0.0.1", 29500, seal, fenced=True)
     assert decode_status(KEY, encode_decision(decision)) == decision
+    unfenced = Decision(2, "10.0.0.1", 29500, seal, fenced=False)
+    assert decode_rank(KEY, encode_ranks({"a": 0}, unfenced)["a"])[1] == unfenced != decision
     assert {decode_rank(KEY, raw)[1] for raw in encode_ranks({"a": 0, "b": 1}, decision).values()} \
         == {decision}
     # The seal tells two decisions apart even when they agree on size and address.
@@ -53,7 +55,7 @@ def test_a_decision_carries_its_seal_in_its_status_and_every_rank_record():
     assert seal == seal_of("sealer:1:ab", {"b": 1, "a": 0}, "10.0.0.1", 29500)
     # Records written before fencing (no seal) still read, with an empty seal.
     old = b'{"v":2,"t":"rank","rank":1,"world_size":2,"addr":"h","port":1}'
-    assert decode_rank(KEY, old) == (1, Decision(2, "h", 1, ""))
+    assert decode_rank(KEY, old) == (1, Decision(2, "h", 1, "", fenced=False))
 
 
 @pytest.mark.parametrize(

@@ -193,6 +193,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Leave marks the last seal consumed, deleted with the garbage."""
         self.closed_here = False
         """This node's :meth:`set_closed` closed the rendezvous (it was open until then)."""
+        self._fence = caps.conditional
+        """Seal with a fenced write (false once the store said it cannot: an old server)."""
 
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -441,7 +443,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 # Most wake-ups are the seal: the rank comes with the wake-up (one round trip).
                 since, raw = self._watch_get(keys.ctl(r), since, step.wake_at - now, rank_key)
                 if raw is not None:
-                    done, info = self._collect(r, raw, store.try_get(status_key), previous)
+                    done, info = self._collect(r, raw, None, previous, status_read=False)
                     if done:
                         return info
 
@@ -528,7 +530,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return None, None
         rank0 = joiners[next(node_id for node_id, rank in ranks.items() if rank == 0)]
         decision = Decision(len(ranks), rank0.host, rank0.port,
-                            seal_of(self._node_id, ranks, rank0.host, rank0.port))
+                            seal_of(self._node_id, ranks, rank0.host, rank0.port), self._fence)
         records, status = encode_ranks(ranks, decision), encode_decision(decision)
         names = [keys.rank(r, node_id) for node_id in records]
         values = list(records.values())
@@ -538,7 +540,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             names.append(round_event_key(keys, r))
             values.append(encode_event(event))
         names += [keys.status(r), keys.sealed]
-        if not self._write_decision(r, names, [*values, status, str(r).encode()]):
+        values += [status, str(r).encode()]
+        try:
+            written = self._write_decision(r, names, values)
+        except StoreUnsupportedError as exc:  # (once: the records must not claim a fence)
+            logger.warning("rendezvous %s: %s; sealing without fencing", keys.run_id, exc)
+            self._fence = False
+            return self._seal(r, listed, reads)
+        if not written:
             logger.warning("rendezvous %s round %d: %s lost the sealer lock before its decision "
                            "was written (paused longer than its session ttl?); it reads the "
                            "round's decision instead", keys.run_id, r, self._node_id)
@@ -563,14 +572,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         store, keys = self._store, self._keys
         lock, status = keys.sealer(r), keys.status(r)
-        if store.capabilities.conditional:
-            try:
-                return store.multi_set_if(
-                    {lock: self._node_id.encode(), status: None}, [*names, lock], [*values, b""]
-                )
-            except StoreUnsupportedError as exc:
-                logger.warning("rendezvous %s: %s; sealing round %d without fencing",
-                               keys.run_id, exc, r)
+        if self._fence:
+            return store.multi_set_if(
+                {lock: self._node_id.encode(), status: None}, [*names, lock], [*values, b""]
+            )
         store.multi_set(names, values)
         store.set(lock, b"", ephemeral=True)
         reads = store.read_many([keys.closed, status])
@@ -590,20 +595,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch(lock, since, deadline - time.monotonic())
 
     def _collect(
-        self, r: int, raw: bytes | None, raw_status: bytes | None, previous: Membership | None
+        self, r: int, raw: bytes | None, raw_status: bytes | None, previous: Membership | None,
+        *, status_read: bool = True,
     ) -> tuple[bool, RendezvousInfo | None]:
         """This node's outcome of round r from its rank record and the round's status, read
-        together: (True, its RendezvousInfo), (True, None) if it is late for the round, or
-        (False, None) while the decision is not written yet (the caller waits on).
+        together (``status_read``; else read here if needed): (True, its RendezvousInfo),
+        (True, None) if it is late for the round, or (False, None) while the decision is not
+        written yet (the caller waits on).
 
         A rank record is accepted only as part of the round's decision (:func:`check_rank`):
         one of another decision, which only a stale sealer on a store that cannot fence its
         writes leaves, makes this node late for the round (and deleted), never a member of a
-        mixed world."""
+        mixed world. A record of a fenced write needs no read of the status: it was written in
+        one step with the status, into a round without one, and nothing rewrites a status."""
         store, keys = self._store, self._keys
-        rank_key = keys.rank(r, self._node_id)
+        rank_key, status_key = keys.rank(r, self._node_id), keys.status(r)
         rank, decision = decode_rank(rank_key, raw) if raw is not None else (-1, None)
-        verdict = check_rank(decision, decode_status(keys.status(r), raw_status))
+        if decision is not None and decision.fenced and not status_read:
+            status: Decision | bool | None = decision
+        else:
+            if not status_read:
+                raw_status = store.try_get(status_key)
+            status = decode_status(status_key, raw_status)
+        verdict = check_rank(decision, status)
         if verdict is Verdict.UNSEALED:
             return False, None
         if verdict is Verdict.CLOSED:

@@ -33,7 +33,8 @@ come from ``count_keys`` and cost O(1) each.
 
 A decision (the status and every rank record written with it) carries its ``seal``: a digest of
 the sealer's node id and the ranks it gave, so a member can tell a rank record of the round's
-decision from one that another (stale) sealer wrote.
+decision from one that another (stale) sealer wrote; and ``fenced``: whether it was written by
+a fenced write (``Store.multi_set_if``, in one step with the status, into a round without one).
 
 Values are JSON objects with ``"v": 2`` (version 1 named a joiner's keys by an arrival index);
 anything else raises RendezvousStateError naming the key.
@@ -87,6 +88,9 @@ class Decision:
     master_port: int
     seal: str = ""
     """:func:`seal_of` the decision (empty in records of rdzv versions before fencing)."""
+    fenced: bool = False
+    """Written by a fenced write: its records and status in one step, into a round without a
+    status (so never rewritten); False for a store that cannot fence its writes."""
 
 
 def seal_of(sealer: str, ranks: Mapping[str, int], master_addr: str, master_port: int) -> str:
@@ -255,7 +259,7 @@ def decode_node(key: str, raw: bytes) -> NodeDescriptor:
 def encode_decision(decision: Decision) -> bytes:
     return _dump({"t": "sealed", "world_size": decision.world_size,
                   "addr": decision.master_addr, "port": decision.master_port,
-                  "seal": decision.seal})
+                  "seal": decision.seal, "fenced": decision.fenced})
 
 
 CLOSED_STATUS = _dump({"t": "closed"})
@@ -266,7 +270,8 @@ def encode_ranks(ranks: Mapping[str, int], decision: Decision) -> dict[str, byte
     everything. The records differ only in the rank: the rest is encoded once."""
     head = _dump({"t": "rank"})[:-1] + b',"rank":'
     tail = _dump({"world_size": decision.world_size, "addr": decision.master_addr,
-                  "port": decision.master_port, "seal": decision.seal})[len(_dump({})) - 1:]
+                  "port": decision.master_port, "seal": decision.seal,
+                  "fenced": decision.fenced})[len(_dump({})) - 1:]
     return {node_id: b"%s%d%s" % (head, rank, tail) for node_id, rank in ranks.items()}
 
 
@@ -286,7 +291,8 @@ def _decision(key: str, data: dict[str, Any]) -> Decision:
     if world_size < 1:
         raise RendezvousStateError(f"rendezvous key {key!r}: world_size {world_size} < 1")
     return Decision(world_size, _field(key, data, "addr", str), _field(key, data, "port", int),
-                    _field(key, data, "seal", str, optional=True) or "")
+                    _field(key, data, "seal", str, optional=True) or "",
+                    data.get("fenced") is True)
 
 
 def decode_status(key: str, raw: bytes | None) -> Decision | None | bool:
