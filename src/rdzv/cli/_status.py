@@ -13,6 +13,8 @@ USAGE_ERROR = 2
 
 def register(subparsers: Any) -> None:
     """Add the ``status`` sub-command."""
+    from ..monitor._cli import add_web_flag
+
     parser = subparsers.add_parser(
         "status",
         help="show the state of a run: round, members, waiting nodes",
@@ -34,6 +36,7 @@ def register(subparsers: Any) -> None:
                         help="with --watch: print at least this often (seconds)")
     parser.add_argument("--count", type=int, default=0,
                         help="with --watch: stop after this many reports (0: never)")
+    add_web_flag(parser)
     parser.set_defaults(func=status_command, log_level="WARNING")
 
 
@@ -79,6 +82,8 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"rdzv status: cannot open the store of run {params.run_id!r} "
               f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
         return 1
+    if args.web is not None:
+        return _serve_web(params, args.web, store)
     base = RunKeys(params.run_id).base
     reports = 0
     shown: dict[str, Any] | None = None
@@ -109,3 +114,19 @@ def status_command(args: argparse.Namespace) -> int:
         return 1
     finally:
         store.close()
+
+
+def _serve_web(params: Any, address: tuple[str, int], store: Any) -> int:
+    """``--web``: serve the run's live page and /metrics until Ctrl-C."""
+    from ..errors import RendezvousError
+    from ..monitor._cli import monitor_run, serve_until_interrupted
+
+    store.close()  # (opened to check the run's store is reachable; the view opens its own)
+    try:
+        monitor = monitor_run(params, address)
+    except (RendezvousError, OSError, ValueError) as exc:
+        print(f"rdzv status: --web: {exc}", file=sys.stderr)
+        return 1
+    print(f"rdzv status: the live view of run {params.run_id!r} is at {monitor.url} "
+          "(Ctrl-C stops)", flush=True)
+    return serve_until_interrupted(monitor)

@@ -198,6 +198,13 @@ class StoreServer:
             raise StoreError("the store server is not started")
         return self._core.metrics_snapshot()
 
+    def directories(self, prefix: str) -> list[str]:
+        """The directories right under ``prefix`` (ending with ``/``) that hold keys, e.g. the
+        runs of ``rdzv/``: read from any thread without a request."""
+        if self._core is None:
+            raise StoreError("the store server is not started")
+        return self._core.state.subdirs(prefix)
+
     @property
     def failed(self) -> BaseException | None:
         """The error that stopped the server (a write-ahead log failure), if any."""

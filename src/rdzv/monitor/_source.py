@@ -1,0 +1,171 @@
+"""What the web view and ``/metrics`` read: the runs of one store, their state and history.
+
+The page polls JSON built here (:func:`runs_payload`, :func:`run_payload`), with the field names
+of ``rdzv status --json`` (``RunStatus.as_dict``) and of the history's ``RunEvent.to_json``, so
+the page, the command line and scripts read the same shapes.
+
+A :class:`RunSource` reads through a store client, as ``rdzv status`` does, so it serves every
+backend ``rdzv status`` reads. It opens its client on first use and opens a new one after an
+error (the store server may restart while the view runs), and calls it from one thread at a
+time (the HTTP server answers requests on several).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import RendezvousError
+from ..rendezvous._status import RunStatus, read_status
+from ._pending_history import EventLog, read_events
+from ..rendezvous._layout import ROOT
+from ..server._metrics import ServerMetricsSnapshot
+from ..store import Store
+
+log = logging.getLogger(__name__)
+
+RUNS_TTL = 2.0
+"""Seconds a list of the runs found is reused before it is listed again."""
+MAX_EVENTS = 2000
+"""Events sent in one answer at most (the page asks again from ``next_seq`` for the rest)."""
+
+
+class SourceUnavailable(RendezvousError):
+    """The store cannot be read now (the message says why); the next call tries again."""
+
+
+class RunSource:
+    """The runs of one store, read on demand.
+
+    ``open_store`` makes a client (called again after an error); ``runs`` lists the run ids to
+    show (None: one run, ``run_id``); ``server_metrics`` gives the store server's own numbers
+    when the view runs inside ``rdzv serve``.
+    """
+
+    def __init__(
+        self,
+        open_store: Callable[[], Store],
+        *,
+        run_id: str | None = None,
+        runs: Callable[[], list[str]] | None = None,
+        server_metrics: Callable[[], ServerMetricsSnapshot] | None = None,
+        where: str = "",
+    ) -> None:
+        if (run_id is None) == (runs is None):
+            raise ValueError("give either run_id (one run) or runs (a function listing them)")
+        self._open_store = open_store
+        self._run_id = run_id
+        self._runs = runs
+        self._server_metrics = server_metrics
+        self.where = where
+        """The store, in words (shown on the page)."""
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+        self._listed: tuple[float, list[str]] = (-RUNS_TTL, [])
+
+    # -- reads ------------------------------------------------------------------------------------
+    def run_ids(self) -> list[str]:
+        """The runs to show, sorted (listed again at most every :data:`RUNS_TTL` seconds)."""
+        if self._run_id is not None:
+            return [self._run_id]
+        assert self._runs is not None
+        stamp, runs = self._listed
+        if time.monotonic() - stamp >= RUNS_TTL:
+            try:
+                runs = sorted(self._runs())
+            except RendezvousError as exc:
+                raise SourceUnavailable(f"cannot list the runs of {self.where}: {exc}") from exc
+            self._listed = (time.monotonic(), runs)
+        return runs
+
+    def status(self, run_id: str) -> RunStatus:
+        """The state of ``run_id`` now (as ``rdzv status`` shows it)."""
+        return self._read(lambda store: read_status(store, run_id))
+
+    def events(self, run_id: str, since_seq: int = 0) -> EventLog:
+        """The recorded events of ``run_id`` from ``since_seq`` on."""
+        return self._read(lambda store: read_events(store, run_id, since_seq=since_seq))
+
+    def server(self) -> ServerMetricsSnapshot | None:
+        """The store server's numbers (None: the view does not run inside the server)."""
+        if self._server_metrics is None:
+            return None
+        try:
+            return self._server_metrics()
+        except RendezvousError:  # not started yet, or stopping
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._close_store()
+
+    # -- the store client -------------------------------------------------------------------------
+    def _read(self, read: Callable[[Store], Any]) -> Any:
+        with self._lock:
+            try:
+                if self._store is None:
+                    self._store = self._open_store()
+                return read(self._store)
+            except (RendezvousError, OSError) as exc:
+                if self._store is not None:
+                    self._close_store()
+                raise SourceUnavailable(f"cannot read {self.where}: {exc}") from exc
+
+    def _close_store(self) -> None:
+        store, self._store = self._store, None
+        try:
+            store.close()  # type: ignore[union-attr]
+        except (RendezvousError, OSError) as exc:  # a broken client: nothing more to do
+            log.debug("closing the store client failed: %s", exc)
+
+
+def server_runs(directories: Callable[[str], list[str]]) -> Callable[[], list[str]]:
+    """The run lister of a store server (its ``directories`` method): every run with keys."""
+    return lambda: directories(f"{ROOT}/")
+
+
+def runs_payload(source: RunSource) -> dict[str, Any]:
+    """``/api/runs``: each run's state, round, size and waiting nodes; the store server's
+    connections, sessions and keys when the view runs inside it."""
+    runs: list[dict[str, Any]] = []
+    for run_id in source.run_ids():
+        try:
+            status = source.status(run_id)
+        except SourceUnavailable as exc:
+            runs.append({"run_id": run_id, "state": "unreadable", "error": str(exc)})
+            continue
+        runs.append({"run_id": run_id, "state": status.state, "round": status.round,
+                     "world_size": status.world_size, "waiting": status.waiting,
+                     "spares": status.spares})
+    return {"time": time.time(), "where": source.where, "runs": runs,
+            "server": _server(source.server())}
+
+
+def run_payload(source: RunSource, run_id: str, since_seq: int) -> dict[str, Any]:
+    """``/api/run/<id>``: the run's status now and its events from ``since_seq`` on."""
+    status = source.status(run_id)
+    history = source.events(run_id, since_seq)
+    events = history.events[:MAX_EVENTS]
+    next_seq = history.next_seq if len(events) == len(history.events) else events[-1].seq + 1
+    return {
+        "time": time.time(),
+        "status": status.as_dict(),
+        "events": [event.to_json() for event in events],
+        "next_seq": next_seq,
+        "corrupt": list(history.corrupt),
+    }
+
+
+def _server(snapshot: ServerMetricsSnapshot | None) -> dict[str, Any] | None:
+    if snapshot is None:
+        return None
+    return {
+        "connections": snapshot.stats.get("connections", 0),
+        "sessions": snapshot.stats.get("sessions", 0),
+        "keys": snapshot.stats.get("keys", 0),
+        "requests": sum(snapshot.requests.values()),
+        "durable": snapshot.wal_bytes is not None,
+    }
