@@ -30,14 +30,18 @@ from .errors import (
 )
 if TYPE_CHECKING:
     from .rendezvous import (
+        EventLog,
+        EventWriter,
         RendezvousHandler,
         RendezvousHandlerRegistry,
         RendezvousInfo,
         RendezvousParameters,
         RendezvousStoreInfo,
+        RunEvent,
         get_rendezvous_handler,
         handler_registry,
         parse_rendezvous_url,
+        read_events,
         rendezvous_url,
     )
     from .server import StoreServer
@@ -48,14 +52,18 @@ _EXPORTS = {
         "EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "StoreCapabilities", "TCPStore"
     )},
     **{name: ".rendezvous" for name in (
+        "EventLog",
+        "EventWriter",
         "RendezvousHandler",
         "RendezvousHandlerRegistry",
         "RendezvousInfo",
         "RendezvousParameters",
         "RendezvousStoreInfo",
+        "RunEvent",
         "get_rendezvous_handler",
         "handler_registry",
         "parse_rendezvous_url",
+        "read_events",
         "rendezvous_url",
     )},
     "StoreServer": ".server",
@@ -64,6 +72,8 @@ _EXPORTS = {
 __all__ = [
     "__version__",
     "EtcdStore",
+    "EventLog",
+    "EventWriter",
     "FileStore",
     "HashStore",
     "PrefixStore",
@@ -81,6 +91,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "RunEvent",
     "SessionExpiredError",
     "Store",
     "StoreServer",
@@ -95,6 +106,7 @@ __all__ = [
     "get_rendezvous_handler",
     "handler_registry",
     "parse_rendezvous_url",
+    "read_events",
     "rendezvous_url",
 ]
 

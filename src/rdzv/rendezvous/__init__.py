@@ -21,6 +21,14 @@ from ._api import (
     RendezvousParameters,
     RendezvousStoreInfo,
 )
+from ._history import (
+    DEFAULT_HISTORY_SIZE,
+    EVENT_KINDS,
+    EventLog,
+    EventWriter,
+    RunEvent,
+    read_events,
+)
 from ._registry import (
     ENTRY_POINT_GROUP,
     RendezvousHandlerCreator,
@@ -32,7 +40,11 @@ from ._registry import (
 )
 
 __all__ = [
+    "DEFAULT_HISTORY_SIZE",
     "ENTRY_POINT_GROUP",
+    "EVENT_KINDS",
+    "EventLog",
+    "EventWriter",
     "RendezvousBackendError",
     "RendezvousClosedError",
     "RendezvousConnectionError",
@@ -47,8 +59,10 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
+    "RunEvent",
     "get_rendezvous_handler",
     "handler_registry",
     "parse_rendezvous_url",
+    "read_events",
     "rendezvous_url",
 ]
