@@ -74,12 +74,12 @@ class MonitorCollector:
                 try:
                     status = self.source.status(run_id)
                     totals = self._totals.setdefault(run_id, RunTotals())
-                    history = self.source.events(run_id, totals.next_seq)
+                    history = self.source.events(run_id, totals.seen_seq)
                 except SourceUnavailable as exc:
                     log.warning("/metrics: %s", exc)
                     failed = True
                     break
-                totals.add(history.events, len(history.corrupt), history.next_seq)
+                totals.add(history.events, len(history.corrupt))
                 statuses.append((run_id, status, totals))
             up.add_metric([], 0 if failed else 1)
             yield up
@@ -139,8 +139,8 @@ def _run_families(core: Any, runs: list[tuple[str, "RunStatus", RunTotals]]) -> 
                                       labels=["run", "kind"])
     failures = core.CounterMetricFamily("rdzv_run_worker_failures", "Workers that failed",
                                         labels=["run"])
-    corrupt = core.CounterMetricFamily(
-        "rdzv_run_history_corrupt_events", "Events of the history that could not be read",
+    corrupt = core.GaugeMetricFamily(
+        "rdzv_run_history_corrupt_records", "Records of the history that cannot be read (skipped)",
         labels=["run"])
     formation: list[tuple[list[str], HistogramSnapshot]] = []
     pauses: list[tuple[list[str], HistogramSnapshot]] = []

@@ -18,9 +18,9 @@ import time
 from typing import Any, Callable
 
 from ..errors import RendezvousError
-from ..rendezvous._status import RunStatus, read_status
-from ._pending_history import EventLog, read_events
+from ..rendezvous._history import EventLog, read_events
 from ..rendezvous._layout import ROOT
+from ..rendezvous._status import RunStatus, read_status
 from ..server._metrics import ServerMetricsSnapshot
 from ..store import Store
 
@@ -30,6 +30,10 @@ RUNS_TTL = 2.0
 """Seconds a list of the runs found is reused before it is listed again."""
 MAX_EVENTS = 2000
 """Events sent in one answer at most (the page asks again from ``next_seq`` for the rest)."""
+SETTLE_S = 0.5
+"""A reader that asks for the events after the last it saw reads only those stamped at least
+this long ago: one written a little late (a background writer, another host's clock) is then
+not skipped (see :func:`~rdzv.rendezvous._history.read_events`)."""
 
 
 class SourceUnavailable(RendezvousError):
@@ -85,8 +89,10 @@ class RunSource:
         return self._read(lambda store: read_status(store, run_id))
 
     def events(self, run_id: str, since_seq: int = 0) -> EventLog:
-        """The recorded events of ``run_id`` from ``since_seq`` on."""
-        return self._read(lambda store: read_events(store, run_id, since_seq=since_seq))
+        """The recorded events of ``run_id`` after ``since_seq`` (those older than
+        :data:`SETTLE_S`: pass ``next_seq`` back to read on)."""
+        return self._read(lambda store: read_events(store, run_id, since_seq=since_seq,
+                                                    settle_s=SETTLE_S))
 
     def server(self) -> ServerMetricsSnapshot | None:
         """The store server's numbers (None: the view does not run inside the server)."""
@@ -145,11 +151,11 @@ def runs_payload(source: RunSource) -> dict[str, Any]:
 
 
 def run_payload(source: RunSource, run_id: str, since_seq: int) -> dict[str, Any]:
-    """``/api/run/<id>``: the run's status now and its events from ``since_seq`` on."""
+    """``/api/run/<id>``: the run's status now and its events after ``since_seq``."""
     status = source.status(run_id)
     history = source.events(run_id, since_seq)
     events = history.events[:MAX_EVENTS]
-    next_seq = history.next_seq if len(events) == len(history.events) else events[-1].seq + 1
+    next_seq = history.next_seq if len(events) == len(history.events) else events[-1].seq
     return {
         "time": time.time(),
         "status": status.as_dict(),

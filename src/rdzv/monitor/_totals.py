@@ -3,7 +3,7 @@
 :class:`RunTotals` adds up what the events of a run say (rounds formed by cause, how long each
 round took to form, how long training paused for each change, worker failures); the collector
 (:mod:`._prometheus`) keeps one per run and folds in only the events recorded since its last
-scrape (``next_seq``), so a scrape reads the history once, not again and again.
+scrape (after ``seen_seq``), so a scrape reads the history once, not again and again.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ UNKNOWN = "unknown"
 class RunTotals:
     """What a run's events add up to (see the module docstring)."""
 
-    next_seq: int = 0
-    """The history read so far: the next read starts here."""
+    seen_seq: int = 0
+    """The history read so far: the next read asks for the events after this one."""
     events: dict[str, int] = field(default_factory=dict)
     """Events seen, by kind."""
     rounds: dict[str, int] = field(default_factory=dict)
@@ -37,14 +37,15 @@ class RunTotals:
     """Training pauses (seconds), by the cause of the change."""
     worker_failures: int = 0
     corrupt: int = 0
-    """Events that could not be read (reported by the reader, skipped)."""
+    """Records of the history that could not be read at the last read (reported, skipped)."""
 
-    def add(self, events: Iterable[Any], corrupt: int = 0, next_seq: int | None = None) -> None:
-        """Fold in ``events`` (:class:`~rdzv.rendezvous.RunEvent`, oldest first)."""
+    def add(self, events: Iterable[Any], corrupt: int = 0) -> None:
+        """Fold in ``events`` (:class:`~rdzv.rendezvous.RunEvent`, oldest first) and the count
+        of ``corrupt`` records read with them."""
         for event in events:
-            if event.seq < self.next_seq:
-                continue  # read already (a reader may return the last one again)
-            self.next_seq = event.seq + 1
+            if event.seq <= self.seen_seq:
+                continue  # folded in already
+            self.seen_seq = event.seq
             kind = event.kind
             fields = event.fields
             self.events[kind] = self.events.get(kind, 0) + 1
@@ -62,9 +63,7 @@ class RunTotals:
                 if pauses is None:
                     pauses = self.pauses[cause] = Histogram(PAUSE_BUCKETS)
                 pauses.observe(fields["pause_s"])
-        self.corrupt += corrupt
-        if next_seq is not None and next_seq > self.next_seq:
-            self.next_seq = next_seq
+        self.corrupt = corrupt  # (the reader reports every corrupt record at every read)
 
 
 def _label(value: Any) -> str:

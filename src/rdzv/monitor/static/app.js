@@ -191,18 +191,21 @@ function drawMembers(s) {
 
 // The world size over time: the rounds' sizes from the history, and what this page saw.
 function series() {
-  const points = view.events.filter(e => e.kind === "round_formed" && typeof e.world_size === "number")
-    .map(e => ({ time: e.time, size: e.world_size }));
+  const points = view.events.filter(e => e.kind === "round_formed" && typeof e.fields.world_size === "number")
+    .map(e => ({ time: e.time, size: e.fields.world_size }));
   points.push(...view.samples);
   points.sort((a, b) => a.time - b.time);
   return points;
 }
 
 function eventColour(e) {
-  if (e.kind === "round_formed" && e.cause === "loss") return "#d64545";
-  if (e.kind === "round_formed" && Array.isArray(e.left)
-      && e.left.some(l => LOSS_REASONS.has(l.reason))) return "#d64545";
-  if (e.kind === "round_formed" && e.cause === "leave") return "#d58a00";
+  const f = e.fields;
+  if (e.kind === "round_formed") {
+    if (f.cause === "loss" || (Array.isArray(f.left) && f.left.some(l => LOSS_REASONS.has(l.reason)))) {
+      return "#d64545";
+    }
+    if (f.cause === "leave") return "#d58a00";
+  }
   return KIND_COLOURS[e.kind] || "#8a94a3";
 }
 
@@ -247,8 +250,8 @@ function drawChart() {
       d: `${d}V${y(0)}H${x(points[0].time)}Z` }));
     root.append(svg("path", { class: "line", d, id: "world-size-line" }));
     root.append(svg("circle", { cx: x(now), cy: y(last.size), r: 4, fill: "#2f6fde" }));
-    for (const e of view.events.filter(e => e.kind === "round_formed")) {
-      const dot = svg("circle", { cx: x(e.time), cy: y(e.world_size), r: 4.5,
+    for (const e of view.events.filter(e => e.kind === "round_formed" && typeof e.fields.world_size === "number")) {
+      const dot = svg("circle", { cx: x(e.time), cy: y(e.fields.world_size), r: 4.5,
         fill: eventColour(e), stroke: "#fff", "stroke-width": 1.5 });
       dot.append(svg("title", {}, `${clock(e.time)} round ${e.round}: ${describe(e)}`));
       root.append(dot);
@@ -263,28 +266,27 @@ function drawChart() {
 }
 
 function describe(e) {
+  const f = e.fields;
   const list = xs => (Array.isArray(xs) && xs.length ? xs.join(", ") : "");
   switch (e.kind) {
     case "round_formed": {
-      const parts = [`${e.world_size} node(s)`];
-      if (e.cause) parts.push(`cause: ${e.cause}`);
-      if (typeof e.formation_s === "number") parts.push(`formed in ${seconds(e.formation_s)}`);
-      if (list(e.newcomers)) parts.push(`joined: ${list(e.newcomers)}`);
-      if (Array.isArray(e.left) && e.left.length) {
-        parts.push("left: " + e.left.map(l => `${l.node} (${(l.reason || "?").replace(/_/g, " ")})`).join(", "));
+      const parts = [`${f.world_size} node(s)`];
+      if (f.cause) parts.push(`cause: ${f.cause}`);
+      if (typeof f.formation_s === "number") parts.push(`formed in ${seconds(f.formation_s)}`);
+      if (list(f.newcomers)) parts.push(`joined: ${list(f.newcomers)}`);
+      if (Array.isArray(f.left) && f.left.length) {
+        parts.push("left: " + f.left.map(l => `${l.node} (${String(l.reason || "?").replace(/_/g, " ")})`).join(", "));
       }
       return parts.join("; ");
     }
     case "worker_failed": {
-      const how = e.signal ? `signal ${e.signal}` : `exit code ${e.exit_code}`;
-      return `rank ${e.rank}: ${how}` + (e.error ? ` — ${e.error}` : "");
+      const how = f.signal ? `signal ${f.signal}` : `exit code ${f.exit_code}`;
+      return `rank ${f.rank}: ${how}` + (f.error ? ` — ${f.error}` : "");
     }
-    default: {
-      const skip = new Set(["seq", "time", "kind", "round", "node"]);
-      return Object.entries(e).filter(([k]) => !skip.has(k))
-        .map(([k, v]) => `${k.replace(/_/g, " ")}: ${typeof v === "number" && k.endsWith("_s")
-          ? seconds(v) : (typeof v === "object" ? JSON.stringify(v) : v)}`).join("; ");
-    }
+    default:
+      return Object.entries(f).map(([k, v]) => `${k.replace(/_/g, " ")}: ${
+        typeof v === "number" && k.endsWith("_s") ? seconds(v)
+          : (typeof v === "object" ? JSON.stringify(v) : v)}`).join("; ");
   }
 }
 
