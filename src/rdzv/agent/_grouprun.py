@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousInfo
 from ._changes import Change, Mode, classify_change
+from ._history import record, report_losses, session_ttl
 from ._round import (
     ALIVE_DIR,
     CAPABLE_DIR,
@@ -263,6 +264,8 @@ class GroupRun:
             except RendezvousError as exc:  # cannot tell what changed: as for a loss
                 logger.warning("cannot read the membership change: %s", exc)
                 waiting, leaving, alive = 0, 0, 0
+            if 0 < alive < self.info.world_size:
+                report_losses(handler, self.info, session_ttl(agent.config.rdzv_conf))
             change = classify_change(self.info.world_size, alive, leaving, waiting)
             if change is Change.PLANNED:
                 self._start_transition(waiting, leaving)
@@ -319,6 +322,10 @@ class GroupRun:
             else:
                 agent.say(f"the workers joined the running group in {done.pause_ms or 0:.0f} ms "
                           f"at its step {done.switch_step}")
+            record(agent.handler,
+                   "recovered_in_process" if done.recovery else "switched_in_process",
+                   step=done.switch_step, newcomer=done.info is self.info or None,
+                   pause_s=None if done.pause_ms is None else round(done.pause_ms / 1000, 6))
             agent.link.forget("switched", "broken", "missed", "failed")
             self._say_capable()
             return None

@@ -36,6 +36,15 @@ def register(subparsers: Any) -> None:
                         help="with --watch: print at least this often (seconds)")
     parser.add_argument("--count", type=int, default=0,
                         help="with --watch: stop after this many reports (0: never)")
+    parser.add_argument("--events", action="store_true",
+                        help="print the run's history: a timeline of its rounds, joins, leaves, "
+                             "losses and worker failures (with --json: JSON lines)")
+    parser.add_argument("--since", default=None, metavar="WHEN",
+                        help="with --events: only events after WHEN, a duration back from now "
+                             "(10m, 90s, 2h) or a time (23:40, 2026-11-25T23:40:07)")
+    parser.add_argument("--follow", action="store_true",
+                        help="with --events: keep printing new events until the run closes "
+                             "(or Ctrl-C)")
     add_web_flag(parser)
     parser.set_defaults(func=status_command, log_level="WARNING")
 
@@ -71,6 +80,12 @@ def status_command(args: argparse.Namespace) -> int:
     if args.interval <= 0 or args.count < 0:
         print("rdzv status: error: --interval must be > 0 and --count >= 0", file=sys.stderr)
         return USAGE_ERROR
+    if (args.since is not None or args.follow) and not args.events:
+        print("rdzv status: error: --since and --follow go with --events", file=sys.stderr)
+        return USAGE_ERROR
+    if args.events and args.watch:
+        print("rdzv status: error: --events takes --follow, not --watch", file=sys.stderr)
+        return USAGE_ERROR
     try:
         params = _parameters(args)
     except ValueError as exc:
@@ -84,6 +99,10 @@ def status_command(args: argparse.Namespace) -> int:
         return 1
     if args.web is not None:
         return _serve_web(params, args.web, store)
+    if args.events:
+        from ._events import events_command
+
+        return events_command(args, store, params.run_id)
     base = RunKeys(params.run_id).base
     reports = 0
     shown: dict[str, Any] | None = None

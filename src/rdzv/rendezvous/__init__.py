@@ -29,6 +29,7 @@ from ._history import (
     RunEvent,
     read_events,
 )
+from ._timeline import format_event
 from ._registry import (
     ENTRY_POINT_GROUP,
     RendezvousHandlerCreator,
@@ -60,6 +61,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
     "RunEvent",
+    "format_event",
     "get_rendezvous_handler",
     "handler_registry",
     "parse_rendezvous_url",

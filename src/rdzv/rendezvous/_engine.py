@@ -28,7 +28,7 @@ from ..errors import (
     RendezvousTimeoutError,
     SessionExpiredError,
 )
-from ..store import PrefixStore, Store
+from ..store import PrefixStore, Reads, Store
 from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 from ._decisions import (
     Action,
@@ -41,6 +41,15 @@ from ._decisions import (
     nodes_waiting,
     plan_ranks,
 )
+from ._history import (
+    DEFAULT_HISTORY_SIZE,
+    EventWriter,
+    RunEvent,
+    decode_event,
+    encode_event,
+    round_event_key,
+)
+from ._history_facts import decode_left_mark, encode_left_mark, round_formed
 from ._layout import (
     CLOSED_STATUS,
     Decision,
@@ -119,6 +128,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             join_timeout=params.get_option("join_timeout"),
             last_call_timeout=params.get_option("last_call_timeout"),
             close_timeout=params.get_option("close_timeout"),
+            history_size=params.get_option("history_size"),
             on_shutdown=on_shutdown,
             query_store=query_store,
         )
@@ -135,6 +145,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         join_timeout: float = 600.0,
         last_call_timeout: float = 30.0,
         close_timeout: float = 30.0,
+        history_size: int = DEFAULT_HISTORY_SIZE,
         on_shutdown: Callable[[], None] | None = None,
         query_store: Callable[[], Store] | None = None,
     ) -> None:
@@ -170,6 +181,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()
         self._spare = False
         """This node waits as a spare (the running round is full), as last observed."""
+        self._history_size = history_size
+        self.history = EventWriter(self._side_store, run_id, tag=self._node_id,
+                                   limit=history_size)
+        """The run's history, written in the background (the agent records its events too)."""
+        self._left_marks: list[str] = []
+        """Leave marks the last seal consumed, deleted with the garbage."""
 
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -209,6 +226,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def is_spare(self) -> bool:
         return self._spare
 
+    def record_event(self, kind: str, **fields: object) -> RunEvent | None:
+        """Record an event of this node in the run's history, in the background (never fails:
+        a store that refuses it loses the event, not the run). ``round`` defaults to this
+        node's last round."""
+        member = self._member
+        fields.setdefault("round", member.round if member is not None else None)
+        return self.history.record(kind, node=self._node_id, **fields)  # type: ignore[arg-type]
+
+    def report_left(self, reasons: dict[str, str]) -> None:
+        """Say why members (node id -> leave reason) of this node's round are not coming back,
+        for the next round's ``round_formed`` event; a store error is logged, not raised."""
+        member = self._member
+        if member is None or not reasons or self._history_size <= 0:
+            return
+        try:
+            with self._store.batch():
+                for node_id, reason in reasons.items():
+                    self._store.set(self._keys.left(member.round + 1, node_id),
+                                    encode_left_mark(reason))
+        except RendezvousError as exc:
+            logger.warning("rendezvous %s: cannot record why %s left: %s", self._keys.run_id,
+                           ", ".join(reasons), exc)
+
     def next_rendezvous(self) -> RendezvousInfo:
         with self._lock:
             return self._next_rendezvous()
@@ -239,7 +279,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         member = self._member
         if member is None:
             return False
+        self.report_left({self._node_id: "graceful_leave"})
         self._store.delete_key(self._keys.expect(member.round + 1, self._node_id))
+        self.record_event("node_leaving")
         logger.info("rendezvous %s: %s leaves after round %d", self._keys.run_id, self._node_id,
                     member.round)
         return True
@@ -251,6 +293,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         out the store's own timeout (the session's ephemeral keys expire on the server anyway).
         """
         self._store.set_timeout(min(self._close_timeout, self._store.timeout.total_seconds()))
+        self.history.close(min(2.0, self._close_timeout))
         try:
             self._leave_round()
             self._member = None
@@ -273,6 +316,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         previous = self._member
         # A member goes straight to the round after its own; a newer one makes it late there.
         round_ = previous.round + 1 if previous else self._latest_sealed() + 1
+        if previous is None:
+            self.record_event("node_waiting", round=round_, host=self._host, pid=os.getpid())
         lapsed = False
         while True:
             try:
@@ -293,7 +338,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ) -> RendezvousInfo | None:
         store, keys, me = self._store, self._keys, self._node_id
         node = NodeDescriptor(
-            me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None
+            me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None,
+            round(time.time(), 6),
         )
         writes = {keys.expect(r + 1, me): b"1", keys.node(r, me): encode_node(node)}
         if previous is not None:
@@ -330,6 +376,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if self._spare:
                     logger.info("rendezvous %s: %s waits as a spare for round %d",
                                 keys.run_id, self._node_id, r)
+                    self.record_event("spare_waiting", round=r, max_nodes=self._rules.max_nodes)
             step = decide(view, self._rules, now, deadline, armed_since)
             armed_since = step.armed_since
             woken = False
@@ -419,11 +466,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return False, None
         status, nodes_dir = keys.status(r), keys.nodes(r)
         mine = None
+        # What the history's round_formed event needs comes with the same read.
+        history = ([round_event_key(keys, r - 1)] if r > 0 else [], [keys.left_dir(r)])
+        if self._history_size <= 0:
+            history = ([], [])
         with store.batch():
             try:
-                reads = store.read_many(keys=[status], lists=[nodes_dir])
+                reads = store.read_many(keys=[status, *history[0]], lists=[nodes_dir, *history[1]])
                 if reads.values[status] is None:  # not sealed (nor closed) before the lock was ours
-                    mine = self._seal(r, reads.lists[nodes_dir])
+                    mine = self._seal(r, reads.lists[nodes_dir], reads)
             finally:
                 store.set(lock, b"", ephemeral=True)
             closed = store.try_get(keys.closed) is not None
@@ -431,7 +482,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
         return True, mine
 
-    def _seal(self, r: int, listed: dict[str, bytes]) -> bytes | None:
+    def _seal(self, r: int, listed: dict[str, bytes], reads: Reads) -> bytes | None:
         """Write round r's decision and each joiner's rank, given the ``listed`` descriptors
         (lock held). Returns this node's rank record (None if it is not a member). With fewer
         than min_nodes joiners left, writes nothing: the others re-evaluate."""
@@ -451,12 +502,40 @@ class DynamicRendezvousHandler(RendezvousHandler):
         decision = Decision(len(ranks), rank0.host, rank0.port)
         records = encode_ranks(ranks, decision)
         names = [keys.rank(r, node_id) for node_id in records] + [keys.status(r), keys.sealed]
-        self._store.multi_set(
-            names, [*records.values(), encode_decision(decision), str(r).encode()]
-        )
+        values = [*records.values(), encode_decision(decision), str(r).encode()]
+        event = self._round_event(r, ranks, joiners, reads)
+        if event is not None:  # the history's event travels with the seal (no round trip)
+            names.append(round_event_key(keys, r))
+            values.append(encode_event(event))
+        self._store.multi_set(names, values)
         logger.info("rendezvous %s round %d sealed by %s: world_size %d",
                     keys.run_id, r, self._node_id, decision.world_size)
         return records.get(self._node_id)
+
+    def _round_event(self, r: int, ranks: dict[str, int], joiners: dict[str, NodeDescriptor],
+                     reads: Reads) -> RunEvent | None:
+        """Round r's ``round_formed`` event, from what the seal's read brought (the previous
+        round's event, the leave marks); None if the history is off. The marks it consumed
+        are deleted with this node's garbage."""
+        if self._history_size <= 0:
+            return None
+        keys = self._keys
+        previous = None
+        raw = reads.values.get(round_event_key(keys, r - 1)) if r > 0 else None
+        if raw is not None:
+            try:
+                previous = decode_event(round_event_key(keys, r - 1), raw)
+            except RendezvousStateError as exc:
+                logger.warning("history: %s", exc)
+        listed = reads.lists.get(keys.left_dir(r), {})
+        prefix = len(keys.left_dir(r))
+        marks = {key[prefix:]: decode_left_mark(value) for key, value in listed.items()}
+        self._left_marks = list(listed)
+        return round_formed(
+            r, ranks, {node_id: node.prev_rank for node_id, node in joiners.items()},
+            [node.joined_at for node in joiners.values() if node.joined_at is not None],
+            previous, marks, False, self._node_id,
+        )
 
     def _wait_for_sealer(self, r: int, deadline: float) -> None:
         """Wait until the node holding round r's sealer lock releases it (done, or dead).
@@ -484,7 +563,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rank, decision = decode_rank(rank_key, raw)
         self._delete_garbage()
         # Only the liveness for round r+1 (expect) stays; the rest was needed to form round r.
-        self._garbage = self._stale + self._owned[1:] + [rank_key]
+        self._garbage = self._stale + self._owned[1:] + [rank_key] + self._left_marks
+        self._left_marks = []
         self._stale, self._owned = [], self._owned[:1]
         self._member = Membership(r, rank, decision.world_size, previous is not None)
         return RendezvousInfo(
@@ -498,6 +578,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _latest_sealed(self, store: Store | None = None) -> int:
         raw = (store or self._store).try_get(self._keys.sealed)
         return decode_int(self._keys.sealed, raw, -1)
+
+    def _side_store(self) -> Store:
+        """The store for the history's background writes: the second client, if the backend
+        has one (a TCPStore client serves one call at a time), else this node's store."""
+        if self._open_query_store is None:
+            return self._store
+        with self._query_lock:
+            if self._query_store is None:
+                self._query_store = self._open_query_store()
+            return self._query_store
 
     def _query(self) -> Store:
         """The store for queries: the second client while a round is being joined, if any."""

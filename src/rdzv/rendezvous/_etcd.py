@@ -278,8 +278,9 @@ def store_options(params: RendezvousParameters) -> dict[str, Any]:
     return options
 
 
-def open_store(params: RendezvousParameters) -> RendezvousEtcdStore:
-    """This node's etcd client, checked to reach etcd (a typed error naming the endpoints)."""
+def open_store(params: RendezvousParameters, *, lease: bool = True) -> RendezvousEtcdStore:
+    """This node's etcd client, checked to reach etcd (a typed error naming the endpoints).
+    ``lease``: take the node's lease now (a reader such as ``rdzv status`` needs none)."""
     if not params.endpoint:
         raise RendezvousParameterError(
             "the etcd rendezvous backend needs the etcd endpoints as HOST:PORT[,HOST:PORT...], "
@@ -301,6 +302,8 @@ def open_store(params: RendezvousParameters) -> RendezvousEtcdStore:
             f"user and password_file (or password), else the environment variables "
             f"{USER_ENV} and {PASSWORD_ENV}"
         ) from exc
+    if not lease:
+        return store
     try:
         store.session.id()  # the node's lease now, not on the rendezvous' critical path
     except BaseException:

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Union
 
 from ..errors import RendezvousError, RendezvousStateError
 from ..store import Store
@@ -251,6 +251,8 @@ def prune(store: Store, run_id: str, limit: int) -> int:
 class EventWriter:
     """Writes events to a run's history from a background thread, off every critical path.
 
+    ``store`` may be a function that opens it: it is then called by the writer's thread.
+
     :meth:`record` never blocks and never raises: events wait in a bounded queue (the oldest
     waiting ones are dropped past ``max_pending``) and a thread writes them in batches (one
     ``multi_set`` each), then prunes the history when it has grown past its bound. A write the
@@ -261,11 +263,12 @@ class EventWriter:
     BATCH = 64
     """Events per ``multi_set`` (etcd's default transaction limit is 128 operations)."""
 
-    def __init__(self, store: Store, run_id: str, *, tag: str,
+    def __init__(self, store: Union[Store, Callable[[], Store]], run_id: str, *, tag: str,
                  limit: int = DEFAULT_HISTORY_SIZE, max_pending: int = 1000) -> None:
         if "/" in tag or not tag:
             raise ValueError(f"tag {tag!r} must be non-empty without '/'")
-        self._store, self._keys, self._tag = store, RunKeys(run_id), tag
+        self._store_or_factory = store
+        self._keys, self._tag = RunKeys(run_id), tag
         self._limit, self._max_pending = limit, max_pending
         self._pending: list[RunEvent] = []
         self._cond = threading.Condition()
@@ -279,6 +282,12 @@ class EventWriter:
     @property
     def limit(self) -> int:
         return self._limit
+
+    def _store(self) -> Store:
+        """The store (opened on first use if a factory was given: by the writer's thread)."""
+        if not isinstance(self._store_or_factory, Store):
+            self._store_or_factory = self._store_or_factory()
+        return self._store_or_factory
 
     def record(self, kind: str, *, round: int | None = None, node: str | None = None,
                at: float | None = None, **fields: Any) -> RunEvent | None:
@@ -339,8 +348,9 @@ class EventWriter:
     def _write(self, batch: list[RunEvent]) -> None:
         names = [event_key(self._keys, event, self._tag) for event in batch]
         try:
-            self._store.multi_set(names, [encode_event(event) for event in batch])
-            pruned = prune(self._store, self._keys.run_id, self._limit)
+            store = self._store()
+            store.multi_set(names, [encode_event(event) for event in batch])
+            pruned = prune(store, self._keys.run_id, self._limit)
             if pruned:
                 logger.debug("history of %s: pruned %d old events", self._keys.run_id, pruned)
             self._failures = 0

@@ -15,6 +15,9 @@ key                              meaning
 ``round/<r>/sealer``             EPHEMERAL lock of the one node that lists the joiners and seals
                                  (its node id while held; empty or missing: free)
 ``round/<r+1>/ctl/expect/<id>``  EPHEMERAL: joiner ``id`` of round r is alive (written on joining r)
+``round/<r+1>/left/<id>``        why member ``id`` of round r is not coming back (a leave reason,
+                                 for the history: read by r+1's sealer, then deleted)
+``events/...``                   the run's history (``_history.py``)
 ``round/<r>/user/...``           the members' own keys (``RendezvousInfo.store``)
 ===============================  ==================================================================
 
@@ -52,6 +55,7 @@ _CTL = "ctl/"
 _EXPECT = "expect/"
 """Under ``_CTL``."""
 _SEALER = "sealer"
+_LEFT = "left/"
 _ROUND_DIR = re.compile(rf"{re.escape(ROOT)}/[^/]+/round/[0-9]+/")
 
 
@@ -64,6 +68,8 @@ class NodeDescriptor:
     pid: int
     port: int
     prev_rank: int | None
+    joined_at: float | None = None
+    """The wall time it joined (for the history's formation time); None from older nodes."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,12 @@ class RunKeys:
 
     def expect(self, r: int, node_id: str) -> str:
         return self.expect_dir(r) + node_id
+
+    def left_dir(self, r: int) -> str:
+        return self.round(r) + _LEFT
+
+    def left(self, r: int, node_id: str) -> str:
+        return self.left_dir(r) + node_id
 
     def user(self, r: int) -> str:
         """The PrefixStore prefix of round ``r``'s members' own keys (no trailing slash)."""
@@ -211,7 +223,7 @@ def _field(key: str, data: dict[str, Any], name: str, kind: type, optional: bool
 
 def encode_node(node: NodeDescriptor) -> bytes:
     return _dump({"t": "node", "id": node.node_id, "host": node.host, "pid": node.pid,
-                  "port": node.port, "prev": node.prev_rank})
+                  "port": node.port, "prev": node.prev_rank, "at": node.joined_at})
 
 
 def decode_node(key: str, raw: bytes) -> NodeDescriptor:
@@ -222,6 +234,7 @@ def decode_node(key: str, raw: bytes) -> NodeDescriptor:
         pid=_field(key, data, "pid", int),
         port=_field(key, data, "port", int),
         prev_rank=_field(key, data, "prev", int, optional=True),
+        joined_at=_field(key, data, "at", float, optional=True),
     )
 
 
