@@ -37,6 +37,7 @@ def page(tmp_path: Path) -> Iterator[Any]:
         try:
             page = context.pages[0] if context.pages else context.new_page()
             page.requested = []
+            page.expect = sync_api.expect
             page.on("request", lambda request: page.requested.append(request.url))
             yield page
         finally:
@@ -62,8 +63,8 @@ def test_the_page_shows_the_run_and_follows_a_join(agents: Any, rdzv: Any, tmp_p
     views, url = web_view(rdzv, tmp_path)
     try:
         page.goto(url)
-        page.wait_for_function(f"document.querySelectorAll('{MEMBERS}').length === 2",
-                               timeout=JOIN * 1000)
+        expect = page.expect  # (locator waits: the page's CSP forbids evaluating strings)
+        expect(page.locator(MEMBERS)).to_have_count(2, timeout=JOIN * 1000)
         assert page.text_content("#run-id") == "job"
         assert page.text_content("#run-state") == "complete"
         rows = page.locator(MEMBERS)
@@ -71,14 +72,21 @@ def test_the_page_shows_the_run_and_follows_a_join(agents: Any, rdzv: Any, tmp_p
             {str(n.pid) for n in nodes}
         assert all(rows.nth(i).locator("td").nth(2).text_content() == "127.0.0.1"
                    for i in range(2))
-        page.wait_for_selector("#chart svg #world-size-line", timeout=JOIN * 1000)
+        line = page.wait_for_selector("#chart svg #world-size-line", state="attached",
+                                      timeout=JOIN * 1000)
+        assert line.get_attribute("d").startswith("M")  # the world size, drawn
         assert page.locator("#runs a[data-run='job']").count() == 1
 
         nodes.append(agents.start(args))  # a node joins: the page follows by itself
-        page.wait_for_function(f"document.querySelectorAll('{MEMBERS}').length === 3",
-                               timeout=JOIN * 1000)
+        expect(page.locator(MEMBERS)).to_have_count(3, timeout=JOIN * 1000)
         assert str(nodes[2].pid) in page.text_content("#members")
         assert page.text_content(".fact b") != "0"  # the round moved on
+        # the round it joined: in the table of events, and marked on the chart
+        joined = page.locator("#events tbody tr[data-kind='round_formed']").filter(
+            has_text=f"joined: 127.0.0.1:{nodes[2].pid}:")
+        expect(joined).to_have_count(1, timeout=JOIN * 1000)
+        assert "cause: join" in joined.text_content()
+        assert page.locator("#chart-svg line[data-kind='round_formed']").count() >= 2
         rdzv.running(3)
     finally:
         views.kill_all()

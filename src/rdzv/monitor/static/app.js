@@ -11,11 +11,14 @@ const SVG = "http://www.w3.org/2000/svg";
 // Each kind of event: its colour on the chart and in the table.
 const KIND_COLOURS = {
   round_formed: "#2f6fde", node_waiting: "#1f9d55", spare_waiting: "#1f9d55",
-  node_leaving: "#d58a00", workers_started: "#8a94a3", workers_restarted: "#d58a00",
+  node_leaving: "#d58a00", node_lost: "#d64545", workers_started: "#8a94a3", workers_restarted: "#d58a00",
   worker_failed: "#d64545", training_paused: "#d58a00", switched_in_process: "#7a4fd0",
   recovered_in_process: "#7a4fd0", run_closed: "#1d2430",
 };
 const LOSS_REASONS = new Set(["connection_lost", "heartbeat_missed"]);
+// Events drawn across the chart; the others (workers started, pauses...) as ticks at its foot.
+const MAJOR = new Set(["round_formed", "node_waiting", "spare_waiting", "node_leaving",
+  "node_lost", "worker_failed", "workers_restarted", "run_closed"]);
 
 const view = { runs: [], selected: null, events: [], nextSeq: 0, samples: [], tick: 0,
   status: null, shownEvents: -1 };
@@ -23,7 +26,9 @@ const view = { runs: [], selected: null, events: [], nextSeq: 0, samples: [], ti
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
-    if (k === "class") node.className = v; else node.setAttribute(k, v);
+    if (k === "class") node.className = v;
+    else if (k === "colour") node.style.background = v;  // (CSSOM: the CSP forbids style="")
+    else node.setAttribute(k, v);
   }
   for (const child of children) {
     if (child !== null && child !== undefined) {
@@ -94,7 +99,8 @@ async function pollRun() {
   view.nextSeq = data.next_seq;
   view.events.push(...data.events);
   if (view.events.length > MAX_EVENTS) view.events.splice(0, view.events.length - MAX_EVENTS);
-  if (data.status.round !== null) {
+  const last = view.samples[view.samples.length - 1];
+  if (data.status.round !== null && (!last || last.size !== data.status.world_size)) {
     view.samples.push({ time: data.time, size: data.status.world_size });
     if (view.samples.length > MAX_SAMPLES) view.samples.splice(0, view.samples.length - MAX_SAMPLES);
   }
@@ -234,8 +240,9 @@ function drawChart() {
   }
   for (const e of view.events) {
     const colour = eventColour(e);
-    const mark = svg("line", { class: "marker", x1: x(e.time), x2: x(e.time), y1: T, y2: H - B,
-      stroke: colour, "data-kind": e.kind });
+    const major = MAJOR.has(e.kind);
+    const mark = svg("line", { class: major ? "marker" : "minor", x1: x(e.time), x2: x(e.time),
+      y1: major ? T : H - B - 6, y2: H - B, stroke: colour, "data-kind": e.kind });
     mark.append(svg("title", {}, `${clock(e.time)} ${e.kind}: ${describe(e)}`));
     root.append(mark);
   }
@@ -260,9 +267,9 @@ function drawChart() {
   box.replaceChildren(root);
   const kinds = [...new Set(view.events.map(e => e.kind))];
   document.getElementById("legend").replaceChildren(
-    el("span", {}, el("span", { class: "dot", style: "background:#2f6fde" }), "world size (nodes)"),
+    el("span", {}, el("span", { class: "dot", colour: "#2f6fde" }), "world size (nodes)"),
     ...kinds.map(k => el("span", {}, el("span", { class: "dot",
-      style: `background:${KIND_COLOURS[k] || "#8a94a3"}` }), k.replace(/_/g, " "))));
+      colour: KIND_COLOURS[k] || "#8a94a3" }), k.replace(/_/g, " "))));
 }
 
 function describe(e) {
@@ -284,7 +291,7 @@ function describe(e) {
       return `rank ${f.rank}: ${how}` + (f.error ? ` — ${f.error}` : "");
     }
     default:
-      return Object.entries(f).map(([k, v]) => `${k.replace(/_/g, " ")}: ${
+      return Object.entries(f).map(([k, v]) => `${k.replace(/_s$/, "").replace(/_/g, " ")}: ${
         typeof v === "number" && k.endsWith("_s") ? seconds(v)
           : (typeof v === "object" ? JSON.stringify(v) : v)}`).join("; ");
   }
@@ -302,14 +309,14 @@ function drawEvents() {
   body.replaceChildren();
   const shown = view.events.slice(-500).reverse();
   shown.forEach((e, i) => {
-    body.append(el("tr", { class: i < fresh ? "fresh" : "", "data-kind": e.kind },
-      el("td", { class: "num" }, clock(e.time)), el("td", { class: "num" }, e.seq),
-      el("td", {}, el("span", { class: "dot", style: `background:${eventColour(e)}` }),
+    body.append(el("tr", { class: i < fresh ? "fresh" : "", "data-kind": e.kind, title: `seq ${e.seq}` },
+      el("td", { class: "num" }, clock(e.time)),
+      el("td", { class: "nowrap" }, el("span", { class: "dot", colour: eventColour(e) }),
         el("span", { class: "kind" }, e.kind)),
       el("td", { class: "num" }, e.round === null || e.round === undefined ? "" : e.round),
       el("td", {}, e.node || ""), el("td", {}, describe(e))));
   });
-  if (!count) body.append(el("tr", {}, el("td", { colspan: 6, class: "empty" }, "no events recorded yet")));
+  if (!count) body.append(el("tr", {}, el("td", { colspan: 5, class: "empty" }, "no events recorded yet")));
 }
 
 window.addEventListener("hashchange", () => {
