@@ -1,19 +1,26 @@
 """The web view (``rdzv status --web``) in a real headless browser: Debian's Chromium driven by
 Playwright, on a real run of agents (tcp and file). The page loads with no request to another
-host, shows the members and the chart, and updates by itself when a node joins."""
+host, shows the members and the chart, and updates by itself when a node joins. And
+``rdzv serve --web``'s ``/metrics`` after a real run, against the run's history."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+import time
+import urllib.request
+from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 import pytest
 
-from _agents import JOIN, wait_for
+from _agents import JOIN, rdzv_cli, wait_for
 from _launcher import Launcher, free_port
+from rdzv.monitor._source import SETTLE_S
 
 CHROMIUM = os.environ.get("RDZV_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -94,3 +101,68 @@ def test_the_page_shows_the_run_and_follows_a_join(agents: Any, rdzv: Any, tmp_p
     assert page.requested and not foreign, f"requests to other hosts: {foreign}"
     rdzv.stop()
     assert [n.wait() for n in nodes] == [0, 0, 0]
+
+
+def test_metrics_of_a_real_run_match_its_history(agents: Any, tmp_path: Path) -> None:
+    """``rdzv serve --web``: after rounds formed by real agents (a start, a join, a loss), the
+    per-run metrics add up what the run's history says, parsed with Prometheus' parser."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    store_port, web_port = free_port(), free_port()
+    servers = Launcher(tmp_path, "serve")
+    server = servers.start([sys.executable, "-m", "rdzv", "serve", "--host", "127.0.0.1",
+                            "--port", str(store_port), "--web", str(web_port)])
+    url = f"http://127.0.0.1:{web_port}/"
+
+    def scrape() -> dict[tuple[str, tuple], float]:
+        with urllib.request.urlopen(url + "metrics", timeout=30) as response:
+            text = response.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in parser.text_string_to_metric_families(text)
+                for s in family.samples}
+
+    def world(size: int) -> Callable[[], bool]:
+        def formed() -> bool:
+            with urllib.request.urlopen(url + "api/run/job", timeout=30) as response:
+                status = json.load(response)["status"]
+            return status["world_size"] == size and status["state"] == "complete"
+        return formed
+
+    def history() -> list[dict[str, Any]]:
+        result = rdzv_cli("status", f"tcp://127.0.0.1:{store_port}/job", "--events", "--json")
+        assert result.returncode == 0, result.stderr
+        return [json.loads(line) for line in result.stdout.splitlines()]
+
+    try:
+        wait_for(lambda: "web view and /metrics at" in server.output(), JOIN, "rdzv serve --web")
+        args = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "tcp",
+                "--rdzv-endpoint", f"127.0.0.1:{store_port}", "--rdzv-id", "job",
+                "--rdzv-conf", "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3",
+                "--local-addr", "127.0.0.1", "--no-python", "sleep", "300"]
+        nodes = [agents.start(args), agents.start(args)]
+        wait_for(world(2), JOIN, "a round of 2")
+        nodes.append(agents.start(args))
+        wait_for(world(3), JOIN, "a round of 3 after the join")
+        os.killpg(nodes[2].pid, signal.SIGKILL)
+        wait_for(world(2), JOIN, "a round of 2 after the loss")
+        time.sleep(SETTLE_S + 1.0)
+        events = history()
+        metrics = scrape()
+    finally:
+        servers.kill_all()
+    rounds = [e for e in events if e["kind"] == "round_formed"]
+    causes = Counter(e["fields"]["cause"] for e in rounds)
+    assert causes["join"] >= 1 and causes["loss"] == 1, causes
+    run = (("run", "job"),)
+    for cause, count in causes.items():
+        assert metrics[("rdzv_run_rounds_formed_total", (("cause", cause), ("run", "job")))] \
+            == count
+    assert metrics[("rdzv_run_round_formation_seconds_count", run)] == len(rounds)
+    assert metrics[("rdzv_run_round_formation_seconds_sum", run)] == \
+        pytest.approx(sum(e["fields"]["formation_s"] for e in rounds))
+    assert metrics[("rdzv_run_round", run)] == rounds[-1]["round"]
+    assert metrics[("rdzv_run_world_size_nodes", run)] == 2
+    assert metrics[("rdzv_run_waiting_nodes", run)] == 0
+    assert metrics[("rdzv_run_worker_failures_total", run)] == 0
+    # the store server's own numbers: the agents' requests, their connections
+    assert metrics[("rdzv_store_requests_total", (("op", "set"),))] > 0
+    assert metrics[("rdzv_store_connections", ())] >= 2
