@@ -405,11 +405,13 @@ class ElasticAgent:
 
     def _close(self, reason: str) -> None:
         try:
+            closed_before = self.handler.is_closed()
             self.handler.set_closed()
         except RendezvousError as exc:
             self.say(f"could not close the rendezvous: {exc}")
             return
-        record(self.handler, "run_closed", reason=reason)
+        if not closed_before:  # the node that closed it says so (the others find it closed)
+            record(self.handler, "run_closed", reason=reason)
 
     def _record_started(self, assignment: Assignment, joining: bool) -> None:
         """The history: the workers started, and how long training had paused before."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousInfo
 from ._changes import Change, Mode, classify_change
-from ._history import record, report_losses, session_ttl
+from ._history import heartbeat_every, record, report_losses, session_ttl
 from ._round import (
     ALIVE_DIR,
     CAPABLE_DIR,
@@ -434,7 +434,8 @@ class GroupRun:
         info = self.info
         self._watcher = MembershipWatcher(self.agent.handler, self.agent.events, self.generation,
                                           self.agent.config.monitor_interval,
-                                          lambda: mark_alive(info))
+                                          lambda: mark_alive(info),
+                                          heartbeat_every(session_ttl(self.agent.config.rdzv_conf)))
         self._watcher.start()
 
     def _unwatch(self) -> None:

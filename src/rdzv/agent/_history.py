@@ -56,6 +56,12 @@ def session_ttl(rdzv_conf: Mapping[str, str]) -> float:
             * option(("heartbeat_misses", "keep_alive_max_attempt"), 3.0))
 
 
+def heartbeat_every(ttl: float) -> float:
+    """Seconds between an agent's signs of life: at least three per session ttl, so that the
+    silence of a lost member tells how it was lost (:func:`why_lost`)."""
+    return min(HEARTBEAT_EVERY, ttl / 3)
+
+
 def lost_members(world_size: int, alive: Mapping[int, Any], seen: Mapping[int, float],
                  nodes: Mapping[int, str | None], now: float, ttl: float
                  ) -> dict[int, tuple[str | None, str, float | None]]:
@@ -66,7 +72,7 @@ def lost_members(world_size: int, alive: Mapping[int, Any], seen: Mapping[int, f
         if rank in alive:
             continue
         silent = now - seen[rank] if rank in seen else None
-        lost[rank] = (nodes.get(rank), why_lost(silent, HEARTBEAT_EVERY, ttl),
+        lost[rank] = (nodes.get(rank), why_lost(silent, heartbeat_every(ttl), ttl),
                       None if silent is None else round(silent, 3))
     return lost
 

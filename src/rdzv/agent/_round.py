@@ -224,9 +224,11 @@ class MembershipWatcher:
 
     def __init__(self, handler: RendezvousHandler, events: "queue.SimpleQueue[Any]",
                  generation: int, wait_slice: float,
-                 heartbeat: Callable[[], None] | None = None) -> None:
+                 heartbeat: Callable[[], None] | None = None,
+                 heartbeat_every: float = HEARTBEAT_EVERY) -> None:
         self._handler = handler
         self._heartbeat = heartbeat
+        self._heartbeat_every = heartbeat_every
         self._last_beat = time.monotonic()
         self._events = events
         self._generation = generation
@@ -255,7 +257,7 @@ class MembershipWatcher:
                     self._events.put(done[1])
                     return
                 if self._heartbeat is not None and (
-                    time.monotonic() - self._last_beat >= HEARTBEAT_EVERY
+                    time.monotonic() - self._last_beat >= self._heartbeat_every
                 ):
                     self._last_beat = time.monotonic()
                     self._heartbeat()

@@ -66,6 +66,11 @@ from ._layout import (
 
 logger = logging.getLogger(__name__)
 
+HISTORY_DEFER = 1.0
+"""Seconds a node waits for a round before its own deferred events (its arrival) are written:
+a round that forms sooner has no history write competing with it; they go once the node
+watches its round (``wait_for_membership_change``, ``num_nodes_waiting``) or shuts down."""
+
 @dataclass(frozen=True)
 class Membership:
     """This node's place in the last round it completed."""
@@ -214,6 +219,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         logger.info("rendezvous %s closed by %s", keys.run_id, self._node_id)
 
     def num_nodes_waiting(self) -> int:
+        self.history.release()  # a monitoring call: this node's deferred events can go now
         store, member = self._query(), self._member
         if member is None:
             return store.count_keys(self._keys.nodes(self._latest_sealed(store) + 1))
@@ -261,6 +267,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise RendezvousError(
                 "wait_for_membership_change() needs a completed round: call next_rendezvous() first"
             )
+        self.history.release()  # the round is formed: this node's deferred events can go now
         deadline = time.monotonic() + timeout
         path = self._keys.round(member.round + 1)
         while True:
@@ -316,8 +323,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         previous = self._member
         # A member goes straight to the round after its own; a newer one makes it late there.
         round_ = previous.round + 1 if previous else self._latest_sealed() + 1
-        if previous is None:
-            self.record_event("node_waiting", round=round_, host=self._host, pid=os.getpid())
+        if previous is None:  # written once the round is formed, or the node waits a while
+            self.record_event("node_waiting", round=round_, host=self._host, pid=os.getpid(),
+                              defer=True)
         lapsed = False
         while True:
             try:
@@ -358,6 +366,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.set(key, value, ephemeral=True)
             first_look: tuple[RoundView, int] | None = self._observe(r)
         rank_key = keys.rank(r, me)
+        started = time.monotonic()
         armed_since: float | None = None
         since = 0
         woken = False
@@ -404,6 +413,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return self._collect(r, store.try_get(rank_key), previous)
             else:
                 self._delete_garbage()  # while idle
+                if now - started > HISTORY_DEFER:
+                    self.history.release()
                 if self._spare:
                     # A spare's wait ends with the run (the store may go with the last member)
                     # or a seal: the round's status comes with the wake-up.

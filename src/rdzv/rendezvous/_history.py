@@ -30,7 +30,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Union
 
 from ..errors import RendezvousError, RendezvousStateError
@@ -74,7 +74,8 @@ class RunEvent:
     """One event of a run's history."""
 
     seq: int
-    """Orders the events of a run (increasing; gaps allowed): the writer's clock in µs."""
+    """Orders the writes of a run's events (increasing; gaps allowed): the writer's clock in µs
+    when it wrote the event (``time`` may be earlier: an event written in the background)."""
     time: float
     """Unix seconds (wall clock of the writer) when it happened."""
     kind: str
@@ -98,7 +99,7 @@ class EventLog:
     """What :func:`read_events` found."""
 
     events: list[RunEvent]
-    """Oldest first."""
+    """Oldest first (by ``time``: when they happened)."""
     corrupt: list[str]
     """One message per unreadable record (reported, skipped)."""
     next_seq: int
@@ -206,8 +207,8 @@ def read_events(store: Store, run_id: str, *, since_seq: int = 0,
             continue
         if event.seq > since_seq and (horizon is None or event.seq <= horizon):
             events.append(event)
-    events.sort(key=lambda event: event.seq)
-    return EventLog(events, corrupt, events[-1].seq if events else since_seq)
+    events.sort(key=lambda event: (event.time, event.seq))
+    return EventLog(events, corrupt, max((event.seq for event in events), default=since_seq))
 
 
 # -- bounds ---------------------------------------------------------------------------------------
@@ -273,6 +274,8 @@ class EventWriter:
         self._pending: list[RunEvent] = []
         self._cond = threading.Condition()
         self._busy = False
+        self._held = False
+        """The queued events wait for :meth:`release` (all of them were deferred)."""
         self._closed = False
         self._thread: threading.Thread | None = None
         self._failures = 0
@@ -290,8 +293,13 @@ class EventWriter:
         return self._store_or_factory
 
     def record(self, kind: str, *, round: int | None = None, node: str | None = None,
-               at: float | None = None, **fields: Any) -> RunEvent | None:
-        """Queue an event (see :func:`new_event`); the event, or None if not recorded."""
+               at: float | None = None, defer: bool = False, **fields: Any) -> RunEvent | None:
+        """Queue an event (see :func:`new_event`); the event, or None if not recorded.
+
+        ``defer``: keep it queued until :meth:`release` or the next event not deferred (a node
+        joining a round records its arrival so, and releases it once the round is formed: no
+        thread, connection or write competes with the round). An event is stamped (its
+        ``seq``) when it is written; its ``time`` is when it happened."""
         if self._limit <= 0:
             return None
         event = new_event(kind, round=round, node=node, at=at, **fields)
@@ -301,18 +309,33 @@ class EventWriter:
             if len(self._pending) >= self._max_pending:
                 self._pending.pop(0)
                 self.dropped += 1
+            if not defer:
+                self._release()
+            elif not self._pending:
+                self._held = True
             self._pending.append(event)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rdzv-history",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
         return event
+
+    def release(self) -> None:
+        """Write the deferred events (in the background)."""
+        with self._cond:
+            if self._pending:
+                self._release()
+
+    def _release(self) -> None:
+        """(Lock held.) Wake the writer thread, starting it on first use."""
+        self._held = False
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rdzv-history", daemon=True)
+            self._thread.start()
+        self._cond.notify()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait (at most ``timeout`` s) until every queued event is written or dropped."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            if self._pending:
+                self._release()
             while self._pending or self._busy:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._thread is None:
@@ -332,7 +355,7 @@ class EventWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
+                while (not self._pending or self._held) and not self._closed:
                     self._cond.wait()
                 if not self._pending:
                     return
@@ -346,6 +369,7 @@ class EventWriter:
                     self._cond.notify_all()
 
     def _write(self, batch: list[RunEvent]) -> None:
+        batch = [replace(event, seq=_clock.stamp()) for event in batch]  # written now
         names = [event_key(self._keys, event, self._tag) for event in batch]
         try:
             store = self._store()

@@ -48,7 +48,7 @@ def why_lost(silent_s: float | None, heartbeat_s: float, session_ttl_s: float) -
     ``lost`` when the silence does not tell (unknown, or between the two)."""
     if silent_s is None or silent_s < 0:
         return "lost"
-    if silent_s >= 0.9 * session_ttl_s and silent_s > heartbeat_s:
+    if silent_s >= 0.9 * session_ttl_s:
         return "heartbeat_missed"
     if silent_s <= heartbeat_s * 1.5 + 1.0 and silent_s < 0.9 * session_ttl_s:
         return "connection_lost"
