@@ -26,9 +26,18 @@ from rdzv.store import TCPStore  # noqa: E402
 SECRET = b"s3cret-for-tests"
 
 
-def settle() -> None:
-    """Wait until the events just written are older than the monitor's settle time (it reads
-    them at the next scrape)."""
+def record(server: StoreServer, events: list[tuple[str, dict[str, Any]]]) -> None:
+    """Write ``events`` (kind, fields) to run ``job``'s history in ``server``, as agents do, and
+    wait until they are older than the monitor's settle time (it reads them at the next read)."""
+    store = TCPStore("127.0.0.1", server.port)
+    writer = EventWriter(store, "job", tag="test")
+    try:
+        for kind, fields in events:
+            writer.record(kind, **fields)
+        assert writer.flush(30.0)
+    finally:
+        writer.close()
+        store.close()
     time.sleep(SETTLE_S + 0.1)
 
 
@@ -101,24 +110,16 @@ def test_requests_by_operation_latency_and_the_log(served: tuple[StoreServer, st
 
 def test_a_runs_history_adds_up_in_its_metrics(served: tuple[StoreServer, str]) -> None:
     server, url = served
-    store = TCPStore("127.0.0.1", server.port)
-    writer = EventWriter(store, "job", tag="test")
-    try:
-        writer.record("round_formed", round=0, world_size=2, cause="initial", formation_s=0.04)
-        writer.record("round_formed", round=1, world_size=3, cause="join", formation_s=0.2)
-        writer.record("worker_failed", round=1, rank=2, exit_code=1, error="ValueError: boom")
-        writer.record("training_paused", round=2, pause_s=3.5, cause="loss")
-        writer.record("round_formed", round=2, world_size=2, cause="loss", formation_s=1.5)
-        assert writer.flush(30.0)
-        settle()
-        first = samples(url)
-        writer.record("round_formed", round=3, world_size=3, cause="join", formation_s=0.1)
-        assert writer.flush(30.0)
-        settle()
-        second = samples(url)
-    finally:
-        writer.close()
-        store.close()
+    record(server, [
+        ("round_formed", dict(round=0, world_size=2, cause="initial", formation_s=0.04)),
+        ("round_formed", dict(round=1, world_size=3, cause="join", formation_s=0.2)),
+        ("worker_failed", dict(round=1, rank=2, exit_code=1, error="ValueError: boom")),
+        ("training_paused", dict(round=2, pause_s=3.5, cause="loss")),
+        ("round_formed", dict(round=2, world_size=2, cause="loss", formation_s=1.5)),
+    ])
+    first = samples(url)
+    record(server, [("round_formed", dict(round=3, world_size=3, cause="join", formation_s=0.1))])
+    second = samples(url)
     run = (("run", "job"),)
     assert first[("rdzv_run_rounds_formed_total", (("cause", "initial"), ("run", "job")))] == 1
     assert first[("rdzv_run_rounds_formed_total", (("cause", "join"), ("run", "job")))] == 1
@@ -139,15 +140,8 @@ def test_a_runs_history_adds_up_in_its_metrics(served: tuple[StoreServer, str]) 
 
 def test_the_json_the_page_polls(served: tuple[StoreServer, str]) -> None:
     server, url = served
-    store = TCPStore("127.0.0.1", server.port)
-    writer = EventWriter(store, "job", tag="test")
-    try:
-        writer.record("round_formed", round=0, world_size=1, cause="initial", formation_s=0.01)
-        assert writer.flush(30.0)
-    finally:
-        writer.close()
-        store.close()
-    settle()
+    record(server, [("round_formed", dict(round=0, world_size=1, cause="initial",
+                                          formation_s=0.01))])
     status, body, headers = get(url + "api/runs")
     runs = json.loads(body)
     assert status == 200 and [r["run_id"] for r in runs["runs"]] == ["job"]

@@ -38,7 +38,8 @@ def test_events_add_up_by_kind_and_cause() -> None:
 
 def test_events_already_folded_are_not_counted_twice() -> None:
     totals = RunTotals()
-    totals.add([event(1, "worker_failed"), event(5, "worker_failed")])
+    totals.add([event(5, "worker_failed"), event(1, "worker_failed")])  # in time order
+    assert totals.seen_seq == 5
     totals.add([event(5, "worker_failed"), event(9, "worker_failed")], corrupt=0)
     assert totals.worker_failures == 3 and totals.seen_seq == 9 and totals.corrupt == 0
 

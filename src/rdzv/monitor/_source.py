@@ -154,8 +154,11 @@ def run_payload(source: RunSource, run_id: str, since_seq: int) -> dict[str, Any
     """``/api/run/<id>``: the run's status now and its events after ``since_seq``."""
     status = source.status(run_id)
     history = source.events(run_id, since_seq)
-    events = history.events[:MAX_EVENTS]
-    next_seq = history.next_seq if len(events) == len(history.events) else events[-1].seq
+    events = history.events
+    next_seq = history.next_seq
+    if len(events) > MAX_EVENTS:  # the first ones by seq: the rest come with the next call
+        events = sorted(events, key=lambda event: event.seq)[:MAX_EVENTS]
+        next_seq = events[-1].seq
     return {
         "time": time.time(),
         "status": status.as_dict(),

@@ -40,12 +40,13 @@ class RunTotals:
     """Records of the history that could not be read at the last read (reported, skipped)."""
 
     def add(self, events: Iterable[Any], corrupt: int = 0) -> None:
-        """Fold in ``events`` (:class:`~rdzv.rendezvous.RunEvent`, oldest first) and the count
+        """Fold in ``events`` (:class:`~rdzv.rendezvous.RunEvent`) and the count
         of ``corrupt`` records read with them."""
+        seen = self.seen_seq
         for event in events:
-            if event.seq <= self.seen_seq:
+            if event.seq <= seen:
                 continue  # folded in already
-            self.seen_seq = event.seq
+            self.seen_seq = max(self.seen_seq, event.seq)  # (events come in the order they happened)
             kind = event.kind
             fields = event.fields
             self.events[kind] = self.events.get(kind, 0) + 1

@@ -98,6 +98,7 @@ async function pollRun() {
   view.status = data.status;
   view.nextSeq = data.next_seq;
   view.events.push(...data.events);
+  view.events.sort((a, b) => a.time - b.time || a.seq - b.seq);  // (in the order they happened)
   if (view.events.length > MAX_EVENTS) view.events.splice(0, view.events.length - MAX_EVENTS);
   const last = view.samples[view.samples.length - 1];
   if (data.status.round !== null && (!last || last.size !== data.status.world_size)) {
