@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ._http import MonitorServer
     from ._prometheus import MonitorCollector, require_prometheus
     from ._source import RunSource, SourceUnavailable
-    from ._totals import RunTotals
+    from ._prometheus import RunTotals
 
 _EXPORTS = {
     **{name: "._cli" for name in (
@@ -27,7 +27,7 @@ _EXPORTS = {
     "MonitorServer": "._http",
     **{name: "._prometheus" for name in ("MonitorCollector", "require_prometheus")},
     **{name: "._source" for name in ("RunSource", "SourceUnavailable")},
-    "RunTotals": "._totals",
+    "RunTotals": "._prometheus",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
