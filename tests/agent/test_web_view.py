@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -166,3 +167,35 @@ def test_metrics_of_a_real_run_match_its_history(agents: Any, tmp_path: Path) ->
     # the store server's own numbers: the agents' requests, their connections
     assert metrics[("rdzv_store_requests_total", (("op", "set"),))] > 0
     assert metrics[("rdzv_store_connections", ())] >= 2
+
+
+def test_the_view_of_a_run_on_etcd(agents: Any, tmp_path: Path) -> None:
+    """``rdzv status --web`` reads any backend: a run on etcd, its members and its events."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "etcd"))
+    from etcd_testing import etcd_params, require_etcd
+
+    from rdzv.etcd import LocalEtcd
+
+    binary = require_etcd(etcd_params()[0].values[0])
+    with LocalEtcd(binary=binary) as etcd:
+        rdzv = SimpleNamespace(backend="etcd", endpoint=etcd.endpoint)
+        args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "job",
+                "--rdzv-conf", "last_call_timeout=1", "--local-addr", "127.0.0.1",
+                "--no-python", "sleep", "300"]
+        nodes = [agents.start(args), agents.start(args)]
+        views, url = web_view(rdzv, tmp_path)
+        try:
+            def complete() -> dict[str, Any] | None:
+                with urllib.request.urlopen(url + "api/run/job", timeout=30) as response:
+                    run = json.load(response)
+                formed = any(e["kind"] == "round_formed" for e in run["events"])
+                return run if run["status"]["world_size"] == 2 and formed else None
+
+            run = wait_for(complete, JOIN, "the round of 2 and its event in the view")
+            assert {m["pid"] for m in run["status"]["members"]} == {n.pid for n in nodes}
+            with urllib.request.urlopen(url, timeout=30) as response:
+                assert b"/static/app.js" in response.read()
+        finally:
+            views.kill_all()
+            agents.kill_all()
