@@ -1,9 +1,9 @@
 """Suite-wide rule: in CI (``CI=true``) the real dependencies must be there.
 
 Tests that need torch, an etcd server, prometheus_client or a browser (Chromium driven by
-Playwright) skip with a reason on a developer's machine that lacks
-them; under CI the whole run stops at once instead, naming what is missing, so that a broken
-install step in ``scripts/test`` can never pass as a run of skipped tests.
+Playwright) skip with a reason on a developer's machine that lacks them; under CI the whole run
+stops at once instead, naming what is missing, so that a broken install step in ``scripts/test``
+can never pass as a run of skipped tests.
 """
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ import os
 
 import pytest
 
-
-CHROMIUM = os.environ.get("RDZV_CHROMIUM", "/usr/bin/chromium")
-"""The browser the web view's test drives (Debian's chromium package)."""
-
+from _launcher import CHROMIUM
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -20,10 +20,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from _agents import JOIN, rdzv_cli, wait_for
-from _launcher import Launcher, free_port
+from _launcher import CHROMIUM, Launcher, free_port
 from rdzv.monitor._source import SETTLE_S
 
-CHROMIUM = os.environ.get("RDZV_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MEMBERS = "#members tbody tr[data-rank]"
