@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import RendezvousError
-from ..rendezvous._history import EventLog, read_events
-from ..rendezvous._layout import ROOT
+from ..rendezvous._history import EventLog, events_dir, read_events
+from ..rendezvous._layout import ROOT, RunKeys
 from ..rendezvous._status import RunStatus, read_status
 from ..server._metrics import ServerMetricsSnapshot
 from ..store import Store
@@ -34,6 +35,20 @@ SETTLE_S = 0.5
 """A reader that asks for the events after the last it saw reads only those stamped at least
 this long ago: one written a little late (a background writer, another host's clock) is then
 not skipped (see :func:`~rdzv.rendezvous._history.read_events`)."""
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """The last read of a run's history."""
+
+    revision: int
+    """The history's revision then."""
+    first: float
+    """When this revision was first seen (wall clock, as the events' stamps)."""
+    settled: bool
+    """The read came :data:`SETTLE_S` after that: it returned every event of this revision."""
+    next_seq: int
+    corrupt: list[str]
 
 
 class SourceUnavailable(RendezvousError):
@@ -68,6 +83,7 @@ class RunSource:
         self._store: Store | None = None
         self._lock = threading.Lock()
         self._listed: tuple[float, list[str]] = (-RUNS_TTL, [])
+        self._seen: dict[str, _Seen] = {}
 
     # -- reads ------------------------------------------------------------------------------------
     def run_ids(self) -> list[str]:
@@ -91,8 +107,24 @@ class RunSource:
     def events(self, run_id: str, since_seq: int = 0) -> EventLog:
         """The recorded events of ``run_id`` after ``since_seq`` (those older than
         :data:`SETTLE_S`: pass ``next_seq`` back to read on)."""
-        return self._read(lambda store: read_events(store, run_id, since_seq=since_seq,
-                                                    settle_s=SETTLE_S))
+        return self._read(lambda store: self._events(store, run_id, since_seq))
+
+    def _events(self, store: Store, run_id: str, since_seq: int) -> EventLog:
+        # Reading the history lists all of it: skip that while nothing was written since a
+        # read that came SETTLE_S after the last write was first seen (it had every event then).
+        revision = store.revision(events_dir(RunKeys(run_id)))
+        now = time.time()
+        seen = self._seen.get(run_id)
+        if seen is not None and seen.revision == revision:
+            if seen.settled and since_seq == seen.next_seq:
+                return EventLog([], seen.corrupt, since_seq)
+            first = seen.first
+        else:
+            first = now
+        history = read_events(store, run_id, since_seq=since_seq, settle_s=SETTLE_S)
+        self._seen[run_id] = _Seen(revision, first, now - first >= SETTLE_S, history.next_seq,
+                                   history.corrupt)
+        return history
 
     def server(self) -> ServerMetricsSnapshot | None:
         """The store server's numbers (None: the view does not run inside the server)."""
