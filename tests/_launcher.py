@@ -26,6 +26,8 @@ EXIT_TIMEOUT = 240.0
 """Seconds a launched program may take to finish on a loaded 2-core machine."""
 KILL_TIMEOUT = 30.0
 """Seconds a SIGKILLed process may take to be reaped on a loaded machine."""
+CHROMIUM = os.environ.get("RDZV_CHROMIUM", "/usr/bin/chromium")
+"""The browser the web view's test drives (Debian's chromium package, scripts/install-chromium)."""
 OUTPUT_SHOWN = 8000
 """How many characters of the end of a log a failed wait shows."""
 

@@ -1,8 +1,9 @@
 """Suite-wide rule: in CI (``CI=true``) the real dependencies must be there.
 
-Tests that need torch or an etcd server skip with a reason on a developer's machine that lacks
-them; under CI the whole run stops at once instead, naming what is missing, so that a broken
-install step in ``scripts/test`` can never pass as a run of skipped tests.
+Tests that need torch, an etcd server, prometheus_client or a browser (Chromium driven by
+Playwright) skip with a reason on a developer's machine that lacks them; under CI the whole run
+stops at once instead, naming what is missing, so that a broken install step in ``scripts/test``
+can never pass as a run of skipped tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 
 import pytest
 
+from _launcher import CHROMIUM
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -29,6 +31,11 @@ def pytest_configure(config: pytest.Config) -> None:
         find_etcd_binaries()
     except EtcdNotFoundError:
         missing.append("an etcd server (bash scripts/install-etcd)")
+    for module in ("prometheus_client", "playwright"):
+        if importlib.util.find_spec(module) is None:
+            missing.append(f"{module} (pip install -e '.[test]')")
+    if not os.access(CHROMIUM, os.X_OK):
+        missing.append(f"Chromium at {CHROMIUM} (bash scripts/install-chromium)")
     if missing:
         raise pytest.UsageError(
             "CI=true but the test dependencies are missing: " + "; ".join(missing)

@@ -67,6 +67,7 @@ def test_ephemeral_keys_of_a_sigkilled_client_go_at_once(server: StoreServer, st
         assert store.watch("alive/", since, 10) > since  # woken by the deletion itself
         assert store.try_get("alive/killed") is None
         assert time.monotonic() - started < 2  # at once, not after the 30 s ttl
+        assert server.metrics().sessions_expired == 0  # a closed connection: not an expiry
     finally:
         child.close()
 
@@ -85,6 +86,7 @@ def test_ephemeral_keys_of_a_sigstopped_client_go_after_its_ttl(
         wait_until(lambda: store.try_get("alive/stopped") is None, ttl + 10, "the key expired")
         waited = time.monotonic() - stopped
         assert ttl * 0.5 <= waited <= ttl + 10
+        assert server.metrics().sessions_expired == 1  # (rdzv_store_sessions_expired_total)
     finally:
         child.close()
 

@@ -26,6 +26,7 @@ def _positive_size(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..monitor._cli import add_web_flag
     from ..server._budget import DEFAULT_MEMORY_BUDGET
     from ..server.protocol import DEFAULT_MAX_FRAME_SIZE
 
@@ -80,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "dropped with an error (default: 512M)"
         ),
     )
+    add_web_flag(parser)
     parser.add_argument(
         "--log-level",
         default="INFO",
@@ -107,6 +109,7 @@ def serve(args: argparse.Namespace) -> int:
         secret = secret_from_env()
         if secret is not None:
             log.info("using the shared secret from $%s", SECRET_ENV)
+    monitor = None
     try:
         server = StoreServer(
             args.host,
@@ -118,10 +121,17 @@ def serve(args: argparse.Namespace) -> int:
             memory_budget=args.memory_budget,
             budget_covers_process=True,  # the process is the server's alone
         )
+        if args.web is not None:
+            from ..monitor._cli import monitor_store_server
+
+            monitor = monitor_store_server(server, args.web, secret)
         server.serve_forever()
     except (OSError, RendezvousError, ValueError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if monitor is not None:
+            monitor.stop()
     log.info("store server stopped")
     return 0
 

@@ -23,6 +23,8 @@ SETTLE = 0.5
 
 def register(subparsers: Any) -> None:
     """Add the ``status`` sub-command."""
+    from ..monitor._cli import add_web_flag
+
     parser = subparsers.add_parser(
         "status",
         help="show the state of a run: round, members, waiting nodes",
@@ -53,6 +55,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--follow", action="store_true",
                         help="with --events: keep printing new events until the run closes "
                              "(or Ctrl-C)")
+    add_web_flag(parser)
     parser.set_defaults(func=status_command, log_level="WARNING")
 
 
@@ -104,6 +107,8 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"rdzv status: cannot open the store of run {params.run_id!r} "
               f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
         return 1
+    if args.web is not None:
+        return _serve_web(params, args.web, store)
     if args.events:
         return events_command(args, store, params.run_id)
     base = RunKeys(params.run_id).base
@@ -199,3 +204,19 @@ def _print(event: "RunEvent", as_json: bool) -> None:
     from ..rendezvous._timeline import format_event
 
     print(json.dumps(event.to_json()) if as_json else format_event(event), flush=True)
+
+
+def _serve_web(params: Any, address: tuple[str, int], store: Any) -> int:
+    """``--web``: serve the run's live page and /metrics until Ctrl-C."""
+    from ..errors import RendezvousError
+    from ..monitor._cli import monitor_run, serve_until_interrupted
+
+    store.close()  # (opened to check the run's store is reachable; the view opens its own)
+    try:
+        monitor = monitor_run(params, address)
+    except (RendezvousError, OSError, ValueError) as exc:
+        print(f"rdzv status: --web: {exc}", file=sys.stderr)
+        return 1
+    print(f"rdzv status: the live view of run {params.run_id!r} is at {monitor.url} "
+          "(Ctrl-C stops)", flush=True)
+    return serve_until_interrupted(monitor)

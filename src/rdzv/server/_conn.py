@@ -59,7 +59,7 @@ class Conn(Accounting):
     __slots__ = (
         "core", "sock", "fd", "peer", "last_recv", "chunks_len", "need", "dpos", "out",
         "out_size", "unsent", "unsent_size", "reading", "dirty", "waiters", "timer_due",
-        "closed", "closing", "lingering",
+        "closed", "closing", "lingering", "read_at", "timed",
     )
 
     def __init__(self, core: "Core", sock: socket.socket, peer: str) -> None:
@@ -93,6 +93,10 @@ class Conn(Accounting):
         self.closed = False
         self.closing = False
         self.lingering = False
+        self.read_at = 0.0
+        """When the first request answered in this round was read (for the latency histogram)."""
+        self.timed = 0
+        """Answers queued in this round to requests read in it (timed when sent)."""
         self.max_frame = P.HANDSHAKE_MAX_FRAME
         self.timer = core.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
 
@@ -135,7 +139,10 @@ class Conn(Accounting):
         core = self.core
         handlers = core.handlers
         mutating = core.mutating
+        counts = core.metrics.requests
         out = self.out
+        before = len(out)
+        read_at = _monotonic()
         size = len(data)
         turn = FRAMES_PER_TURN
         try:
@@ -156,6 +163,7 @@ class Conn(Accounting):
                     raise P.ProtocolError(f"request frame of {length} bytes is shorter than its header")
                 else:
                     op, rid = _HEAD_unpack_from(data, pos + 4)
+                    counts[op] += 1
                     sess = self.session
                     if not mutating[op]:
                         try:
@@ -197,6 +205,10 @@ class Conn(Accounting):
         if self.chunks is not None or self.deferred is not None or self.held:
             self.account()
         if self.out:
+            if out is self.out and len(out) > before:
+                if not self.timed:
+                    self.read_at = read_at
+                self.timed += len(out) - before
             if core.wal is None:
                 self.flush_out()  # nothing to log first: answer at once
             elif not self.dirty:
@@ -250,6 +262,9 @@ class Conn(Accounting):
         """Send the answers queued in this round (what the socket does not take is kept)."""
         self.dirty = False
         self.out_size = 0
+        if self.timed:
+            self.core.metrics.request_latency.observe(_monotonic() - self.read_at, self.timed)
+            self.timed = 0
         out = self.out
         if not out or self.closed:
             return
@@ -470,4 +485,6 @@ class Conn(Accounting):
             self.ttl,
             sess.id if sess else "-",
         )
+        if sess is not None:
+            self.core.metrics.sessions_expired += 1
         self.drop("session ttl expired")

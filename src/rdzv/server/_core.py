@@ -24,6 +24,7 @@ from ._budget import MemoryBudget, return_freed_memory
 from ._conn import Conn
 from ._dispatch import RequestHandlers
 from ._loop import EPOLLIN, EventLoop, Timer
+from ._metrics import ServerMetrics, ServerMetricsSnapshot
 from ._wal_format import SessionRequest
 from ._waiters import Waiter
 
@@ -86,6 +87,7 @@ class Core(RequestHandlers):
         self.stopping = False
         self.failed: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self.metrics = ServerMetrics()
         self.handlers = self.handler_table()
         self.mutating = [op in P.MUTATING_OPS for op in range(256)]
         loop.after_round = self.commit
@@ -111,6 +113,7 @@ class Core(RequestHandlers):
         except OSError:  # pragma: no cover - not TCP (a Unix socket handed over)
             pass
         conn = Conn(self, sock, peer)
+        self.metrics.connections_accepted += 1
         self.conns.add(conn)
         self.loop.register(conn.fd, EPOLLIN, conn)
 
@@ -150,6 +153,10 @@ class Core(RequestHandlers):
             "buffered_output_bytes": output,
             "shed_connections": budget.shed,
         }
+
+    def metrics_snapshot(self) -> ServerMetricsSnapshot:
+        """The server's counters and histograms now, with :meth:`stats` (from any thread)."""
+        return self.metrics.snapshot(self.stats(), self.wal)
 
     # -- committing: log first, then answer ------------------------------------------------
     def commit(self) -> None:
@@ -256,6 +263,7 @@ class Core(RequestHandlers):
         sess.timer = None
         if sess.conn is None and sess.id in self.sessions:
             log.info("session %d was not resumed by its client; it expires", sess.id)
+            self.metrics.sessions_expired += 1
             self.end_session(sess)
 
 

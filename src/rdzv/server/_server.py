@@ -29,6 +29,7 @@ from . import protocol as P
 from ._budget import DEFAULT_MEMORY_BUDGET, resident_bytes, return_freed_memory
 from ._core import Core
 from ._loop import EPOLLIN, EventLoop
+from ._metrics import ServerMetricsSnapshot
 
 log = logging.getLogger("rdzv.server")
 LISTEN_BACKLOG = 4096
@@ -188,6 +189,21 @@ class StoreServer:
         if self._core is None:
             raise StoreError("the store server is not started")
         return self._core.stats()
+
+    def metrics(self) -> ServerMetricsSnapshot:
+        """The server's counters and histograms now (requests by operation, request latency,
+        write-ahead log bytes and fsync time, sessions expired) with :meth:`stats`: what
+        :mod:`rdzv.monitor` exposes to Prometheus. Safe to call from any thread."""
+        if self._core is None:
+            raise StoreError("the store server is not started")
+        return self._core.metrics_snapshot()
+
+    def directories(self, prefix: str) -> list[str]:
+        """The directories right under ``prefix`` (ending with ``/``) that hold keys, e.g. the
+        runs of ``rdzv/``: read from any thread without a request."""
+        if self._core is None:
+            raise StoreError("the store server is not started")
+        return self._core.state.subdirs(prefix)
 
     @property
     def failed(self) -> BaseException | None:

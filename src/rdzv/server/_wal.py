@@ -17,11 +17,13 @@ import fcntl
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Callable
 
 from ..errors import RendezvousStateError, StoreError, StoreValueError
 from ..store._state import KVState, SessionClose
+from ._metrics import FSYNC_BUCKETS, Histogram
 from ._wal_format import (
     FILE_HEADER_SIZE,
     LOG_MAGIC,
@@ -124,6 +126,10 @@ class WriteAheadLog:
         """The last write of each session, as recovered (to answer a write resent after a
         restart without applying it twice)."""
         self._failure: str | None = None  # why writing failed: nothing more is logged after it
+        self.bytes_written = 0
+        """Bytes of records appended to the log since this server started (its metrics)."""
+        self.fsync_seconds = Histogram(FSYNC_BUCKETS)
+        """How long each fsync of the log took (with ``fsync="always"``)."""
 
     # -- recovery -------------------------------------------------------------------------------
     def recover(self) -> KVState:
@@ -240,7 +246,9 @@ class WriteAheadLog:
         try:
             _write_all(fd, data)
             if self._fsync:
+                started = time.perf_counter()
                 _sync_data(fd)
+                self.fsync_seconds.observe(time.perf_counter() - started)
         except OSError as exc:
             path = self._file("wal", self._generation)
             try:
@@ -254,6 +262,7 @@ class WriteAheadLog:
             )
             raise StoreError(self._failure) from exc
         self._log_size += len(data)
+        self.bytes_written += len(data)
 
     def _not_writable(self) -> StoreError:
         return StoreError(

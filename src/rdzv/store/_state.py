@@ -113,6 +113,16 @@ class KVState:
             return len(self._dir_keys.get(prefix, ()))
         return sum(1 for k in self._data if k.startswith(prefix))
 
+    def subdirs(self, prefix: str) -> list[str]:
+        """The names of the directories right under ``prefix`` (which ends with ``/``) that
+        hold keys. Safe from another thread: one copy of the directory list, under the GIL."""
+        depth = prefix.count("/") + 1
+        return sorted(
+            path[len(prefix):-1]
+            for path in list(self._dir_keys)
+            if path.startswith(prefix) and path.count("/") == depth
+        )
+
     def path_revision(self, path: str) -> int:
         return self._path_revision.get(path, 0)
 

@@ -1,0 +1,33 @@
+"""The live web view of runs and their Prometheus metrics (``--web`` of ``rdzv serve`` and
+``rdzv status``).
+
+:class:`MonitorServer` serves one page (the runs; for one run its state, members, waiting
+nodes, a chart of its world size over time with the events marked, the table of events), the
+JSON it polls, and ``/metrics`` in Prometheus' text format, all read-only, from a
+:class:`RunSource` (the runs of one store, read through a store client). Everything the page
+needs ships in this package: it makes no request to another host. ``/metrics`` needs
+``prometheus_client`` (``pip install 'rdzv[monitor]'``); this package imports without it.
+See ``docs/monitor.md``.
+"""
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._cli import DEFAULT_HOST, monitor_run, monitor_store_server, parse_web_address
+    from ._http import MonitorServer
+    from ._prometheus import MonitorCollector, require_prometheus
+    from ._source import RunSource, SourceUnavailable
+    from ._prometheus import RunTotals
+
+_EXPORTS = {
+    **{name: "._cli" for name in (
+        "DEFAULT_HOST", "monitor_run", "monitor_store_server", "parse_web_address")},
+    "MonitorServer": "._http",
+    **{name: "._prometheus" for name in ("MonitorCollector", "require_prometheus")},
+    **{name: "._source" for name in ("RunSource", "SourceUnavailable")},
+    "RunTotals": "._prometheus",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

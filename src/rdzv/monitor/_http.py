@@ -1,0 +1,190 @@
+"""The monitor's HTTP server: the page, its JSON, ``/metrics``; read-only, optionally behind auth.
+
+Routes (GET and HEAD only; anything else is refused with 405):
+
+=========================  ========================================================================
+``/``                      the page (``static/index.html``; its script and style from ``/static/``)
+``/api/runs``              the runs at a glance, the store, the store server's numbers (if any)
+``/api/run/<id>?since=N``  one run's status and its events from sequence number ``N`` on
+``/metrics``               Prometheus' text exposition (:mod:`._prometheus`)
+=========================  ========================================================================
+
+With a shared secret every request needs HTTP Basic credentials whose password is the secret
+(any user name), compared in constant time; without them the answer is 401, which makes a
+browser ask for them. Nothing secret travels in a URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ._cli import DEFAULT_HOST
+from ._prometheus import MonitorCollector, render_metrics, require_prometheus
+from ._source import RunSource, SourceUnavailable, run_payload, runs_payload
+
+log = logging.getLogger(__name__)
+
+STATIC = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/static/style.css": ("style.css", "text/css; charset=utf-8"),
+}
+SECURITY_HEADERS = {
+    # Everything comes from this server: no script, style, font or image from another host.
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class MonitorServer:
+    """The web view and ``/metrics`` of a :class:`RunSource`, served from a thread.
+
+    ``secret``: the password every request must bring (HTTP Basic auth); None: no auth. Port 0
+    picks a free port (see :attr:`port`). Needs ``prometheus_client`` (``rdzv[monitor]``).
+    """
+
+    def __init__(self, source: RunSource, host: str = DEFAULT_HOST, port: int = 0, *,
+                 secret: bytes | None = None) -> None:
+        require_prometheus()
+        self.source = source
+        self.collector = MonitorCollector(source)
+        self.secret = secret
+        self._httpd = _HTTPServer((host, port), _Handler, self)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = str(self._httpd.server_address[0])
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://{f'[{shown}]' if ':' in shown else shown}:{self.port}/"
+
+    def start(self) -> "MonitorServer":
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="rdzv-monitor",
+                                        kwargs={"poll_interval": 0.2}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+        self.source.close()
+
+    def __enter__(self) -> "MonitorServer":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether the ``Authorization`` header ``header`` carries the secret (or none is set)."""
+        if self.secret is None:
+            return True
+        scheme, _, encoded = (header or "").partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            _, _, password = base64.b64decode(encoded.strip(), validate=True).partition(b":")
+        except (binascii.Error, ValueError):
+            return False
+        return hmac.compare_digest(password, self.secret)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, monitor: MonitorServer) -> None:
+        if ":" in address[0]:
+            import socket
+
+            self.address_family = socket.AF_INET6
+        self.monitor = monitor
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    server_version = "rdzv-monitor"
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+        self._answer(send_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(send_body=False)
+
+    def _refuse(self) -> None:
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"read-only: GET and HEAD only\n",
+                   "text/plain; charset=utf-8", extra={"Allow": "GET, HEAD"})
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's signature
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _answer(self, send_body: bool) -> None:
+        monitor = self.server.monitor
+        if not monitor.authorized(self.headers.get("Authorization")):
+            self._send(HTTPStatus.UNAUTHORIZED, b"credentials needed: any user name, the "
+                       b"store's shared secret as password\n", "text/plain; charset=utf-8",
+                       extra={"WWW-Authenticate": 'Basic realm="rdzv", charset="UTF-8"'},
+                       send_body=send_body)
+            return
+        url = urlsplit(self.path)
+        path = url.path
+        try:
+            if path in STATIC:
+                name, kind = STATIC[path]
+                body = resources.files(__package__).joinpath("static", name).read_bytes()
+                self._send(HTTPStatus.OK, body, kind, send_body=send_body)
+            elif path == "/metrics":
+                body, kind = render_metrics(monitor.collector)
+                self._send(HTTPStatus.OK, body, kind, send_body=send_body)
+            elif path == "/api/runs":
+                self._json(runs_payload(monitor.source), send_body)
+            elif path.startswith("/api/run/"):
+                run_id = unquote(path[len("/api/run/"):])
+                since = parse_qs(url.query).get("since", ["0"])[0]
+                if not since.isdigit():
+                    self._json({"error": f"since must be a sequence number, not {since!r}"},
+                               send_body, HTTPStatus.BAD_REQUEST)
+                    return
+                self._json(run_payload(monitor.source, run_id, int(since)), send_body)
+            else:
+                self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8",
+                           send_body=send_body)
+        except SourceUnavailable as exc:
+            self._json({"error": str(exc)}, send_body, HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def _json(self, payload: dict[str, Any], send_body: bool,
+              status: HTTPStatus = HTTPStatus.OK) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json",
+                   send_body=send_body, extra={"Cache-Control": "no-store"})
+
+    def _send(self, status: HTTPStatus, body: bytes, kind: str, *, send_body: bool = True,
+              extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in {**SECURITY_HEADERS, **(extra or {})}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)

@@ -1,0 +1,76 @@
+"""The fold of a run's events into its metrics' totals, and the server's fixed-bucket histogram,
+as tables (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdzv.monitor import RunTotals, parse_web_address
+from rdzv.errors import RendezvousParameterError
+from rdzv.rendezvous import RunEvent
+from rdzv.server._metrics import Histogram
+
+
+def event(seq: int, kind: str, **fields: object) -> RunEvent:
+    return RunEvent(seq, 1000.0 + seq, kind, None, None, dict(fields))
+
+
+def test_events_add_up_by_kind_and_cause() -> None:
+    totals = RunTotals()
+    totals.add([
+        event(1, "round_formed", cause="initial", formation_s=0.02, world_size=2),
+        event(2, "round_formed", cause="join", formation_s=0.3),
+        event(3, "worker_failed", rank=1, exit_code=1),
+        event(4, "training_paused", pause_s=2.0, cause="loss"),
+        event(5, "switched_in_process", pause_s=0.4),
+        event(6, "round_formed", formation_s=True),   # no cause, a bool is no duration
+        event(7, "node_waiting"),
+    ], corrupt=2)
+    assert totals.rounds == {"initial": 1, "join": 1, "unknown": 1}
+    assert totals.events == {"round_formed": 3, "worker_failed": 1, "training_paused": 1,
+                             "switched_in_process": 1, "node_waiting": 1}
+    assert totals.formation.snapshot().count == 2
+    assert totals.formation.snapshot().sum == pytest.approx(0.32)
+    assert {cause: h.snapshot().count for cause, h in totals.pauses.items()} == \
+        {"loss": 1, "switched_in_process": 1}
+    assert totals.worker_failures == 1 and totals.corrupt == 2 and totals.seen_seq == 7
+
+
+def test_events_already_folded_are_not_counted_twice() -> None:
+    totals = RunTotals()
+    totals.add([event(5, "worker_failed"), event(1, "worker_failed")])  # in time order
+    assert totals.seen_seq == 5
+    totals.add([event(5, "worker_failed"), event(9, "worker_failed")], corrupt=0)
+    assert totals.worker_failures == 3 and totals.seen_seq == 9 and totals.corrupt == 0
+
+
+@pytest.mark.parametrize("value, bucket", [
+    (0.0, 0), (0.001, 0), (0.0011, 1), (0.01, 1), (0.5, 2), (1.0, 2), (1.5, 3), (1e9, 3),
+])
+def test_a_value_lands_in_the_first_bucket_at_or_above_it(value: float, bucket: int) -> None:
+    histogram = Histogram((0.001, 0.01, 1.0))
+    histogram.observe(value, 3)
+    counts = histogram.snapshot().counts
+    assert counts[bucket] == 3 and sum(counts) == 3
+    assert histogram.snapshot().cumulative()[-1] == (float("inf"), 3)
+
+
+def test_bucket_bounds_must_increase() -> None:
+    with pytest.raises(ValueError):
+        Histogram((1.0, 0.5))
+
+
+@pytest.mark.parametrize("text, address", [
+    ("8080", ("127.0.0.1", 8080)),
+    ("0.0.0.0:9000", ("0.0.0.0", 9000)),
+    ("[::1]:8080", ("::1", 8080)),
+    ("node0:0", ("node0", 0)),
+])
+def test_web_addresses(text: str, address: tuple[str, int]) -> None:
+    assert parse_web_address(text) == address
+
+
+@pytest.mark.parametrize("text", ["", "host", "host:port", "1:2:3:x", "99999"])
+def test_malformed_web_addresses(text: str) -> None:
+    with pytest.raises(RendezvousParameterError, match=r"\[HOST:\]PORT"):
+        parse_web_address(text)
