@@ -180,12 +180,12 @@ def _stop_in_first_seal(marker: str) -> None:
     """Wrap the engine's seal step: the first seal stops this process after the listing."""
     import signal
 
-    from rdzv.rendezvous._engine import DynamicRendezvousHandler
+    from rdzv.rendezvous._sealer import Sealer
 
-    seal = DynamicRendezvousHandler._seal
+    seal = Sealer._seal
 
     def stopping_seal(self: Any, r: int, listed: dict[str, bytes], *args: Any) -> Any:
-        DynamicRendezvousHandler._seal = seal  # type: ignore[method-assign]
+        Sealer._seal = seal  # type: ignore[method-assign]
         with open(marker + ".tmp", "w") as out:
             out.write(str(len(listed)))
         os.rename(marker + ".tmp", marker)
@@ -193,7 +193,7 @@ def _stop_in_first_seal(marker: str) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         return seal(self, r, listed, *args)
 
-    DynamicRendezvousHandler._seal = stopping_seal  # type: ignore[method-assign]
+    Sealer._seal = stopping_seal  # type: ignore[method-assign]
 
 
 def _child_main(spec: dict[str, Any]) -> None:

@@ -29,7 +29,6 @@ from test_security import PASSWORD, auth_etcd, pki, tls_etcd  # noqa: E402,F401 
 from rdzv.errors import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousParameterError,
-    SessionExpiredError,
     StoreAuthenticationError,
 )
 from rdzv.etcd import LocalEtcd, LocalEtcdCluster  # noqa: E402

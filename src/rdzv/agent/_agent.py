@@ -173,7 +173,6 @@ class ElasticAgent:
                              config.restart_on_change, self.say)
 
     def _run(self) -> int:
-        config = self.config
         formed: TransitionDone | None = None
         while True:
             if formed is not None and formed.info is not None and formed.assignment is not None:

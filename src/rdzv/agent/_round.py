@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from ..errors import RendezvousError, RendezvousStateError
 from ..rendezvous import RendezvousHandler, RendezvousInfo
-from ..rendezvous._engine import PortReservation
+from ..rendezvous._node import PortReservation
 from ..rendezvous._status import AGENT_ALIVE, AGENT_LEAVING
 from ..rendezvous._status import AGENT_NODES as NODE_KEY
 from ..store import Store

@@ -12,26 +12,21 @@ store's own bounded poll of the file (1 ms backing off to 50 ms).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import (
     RendezvousClosedError,
     RendezvousError,
-    RendezvousStateError,
     RendezvousTimeoutError,
     SessionExpiredError,
-    StoreError,
-    StoreUnsupportedError,
 )
-from ..store import PrefixStore, Reads, Store
+from ..store import PrefixStore, Store
 from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 from ._decisions import (
     Action,
@@ -42,25 +37,22 @@ from ._decisions import (
     decide,
     is_spare,
     join_deadline,
-    membership_changed,
     nodes_waiting,
-    plan_ranks,
 )
-from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent, encode_event, round_event_key
-from ._history_facts import encode_left_mark, round_event
+from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent
+from ._history_facts import encode_left_mark
+from ._node import KeyLedger, PortReservation
+from ._sealer import Sealer
+from ._views import Membership, membership_change, observe_round
 from ._layout import (
     CLOSED_STATUS,
     Decision,
     NodeDescriptor,
     RunKeys,
     decode_int,
-    decode_node,
     decode_rank,
     decode_status,
-    encode_decision,
     encode_node,
-    encode_ranks,
-    seal_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,37 +61,6 @@ HISTORY_DEFER = 1.0
 """Seconds a node waits for a round before its own deferred events (its arrival) are written:
 a round that forms sooner has no history write competing with it; they go once the node
 watches its round (``wait_for_membership_change``, ``num_nodes_waiting``) or shuts down."""
-
-@dataclass(frozen=True)
-class Membership:
-    """This node's place in the last round it completed."""
-
-    round: int
-    rank: int
-    world_size: int
-    rejoined: bool
-
-
-class PortReservation:
-    """A TCP port held for this node's workers, without the race of "find a free port, close it".
-
-    The socket is bound with SO_REUSEADDR but never listens: the kernel hands the port to no
-    one else (not as an ephemeral port, not to a plain bind), while a server that binds it with
-    SO_REUSEADDR -- torch's TCPStore, rdzv's StoreServer, gloo -- can still listen on it.
-    """
-
-    def __init__(self, host: str) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, 0))
-        except OSError:
-            self._sock.bind(("", 0))
-        self.port: int = self._sock.getsockname()[1]
-
-    def release(self) -> None:
-        self._sock.close()
-
 
 class DynamicRendezvousHandler(RendezvousHandler):
     """Rounds of nodes formed on any :class:`Store` with the ``ephemeral`` and ``listing``
@@ -176,12 +137,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._member: Membership | None = None
         self._port: PortReservation | None = None
         """The port this node offers as the bootstrap port, held until its next round."""
-        self._owned: list[str] = []
-        """Keys this node wrote for its current round (the first: its liveness for the next)."""
-        self._stale: list[str] = []
-        """Keys of the previous round still needed until the current one is sealed."""
-        self._garbage: list[str] = []
-        """Keys no longer needed, deleted when this node next waits (off the critical path)."""
+        self._keys_held = KeyLedger(store)
         self._lock = threading.Lock()
         self._spare = False
         """This node waits as a spare (the running round is full), as last observed."""
@@ -189,12 +145,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self.history = EventWriter(self._side_store, run_id, tag=self._node_id,
                                    limit=history_size)
         """The run's history, written in the background (the agent records its events too)."""
-        self._left_marks: list[str] = []
-        """Leave marks the last seal consumed, deleted with the garbage."""
         self.closed_here = False
         """This node's :meth:`set_closed` closed the rendezvous (it was open until then)."""
-        self._fence = caps.conditional
-        """Seal with a fenced write (false once the store said it cannot: an old server)."""
+        self._sealer = Sealer(store, self._keys, self._rules, self._node_id,
+                              fence=caps.conditional, history=history_size > 0)
 
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -275,7 +229,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + timeout
         path = self._keys.round(member.round + 1)
         while True:
-            changed, since = self._membership_changed(member, path)
+            changed, since = membership_change(self._store, self._keys, self._rules, member, path)
             if changed:
                 return True
             remaining = deadline - time.monotonic()
@@ -306,7 +260,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._store.set_timeout(min(self._close_timeout, self._store.timeout.total_seconds()))
         self.history.close(min(2.0, self._close_timeout))
         try:
-            self._leave_round()
+            self._keys_held.leave()
             self._member = None
             return True
         except RendezvousError as exc:
@@ -357,18 +311,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if previous is not None:
             writes[keys.back(r, me)] = b"1"
         # A member coming back keeps its liveness in this round until the round is sealed.
-        # What an earlier call left is garbage, except what this one writes again (a call that
-        # failed and is retried joins under the same keys).
-        stale = [keys.expect(r, me)] if previous is not None else []
-        self._garbage = [
-            key for key in dict.fromkeys(self._garbage + self._stale + self._owned)
-            if key not in writes and key not in stale
-        ]
-        self._owned, self._stale = list(writes), stale
+        self._keys_held.joining(writes, [keys.expect(r, me)] if previous is not None else [])
         with store.batch():  # the writes travel with the first look at the round
             for key, value in writes.items():
                 store.set(key, value, ephemeral=True)
-            first_look: tuple[RoundView, int] | None = self._observe(r)
+            first_look: tuple[RoundView, int] | None = observe_round(self._store, self._keys, self._rules, r)
         rank_key, status_key = keys.rank(r, me), keys.status(r)
         started = time.monotonic()
         armed_since: float | None = None
@@ -382,7 +329,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                                                reads.values[status_key], previous)
                     if done:
                         return info
-            view, seen = first_look or self._observe(r)
+            view, seen = first_look or observe_round(self._store, self._keys, self._rules, r)
             first_look = None
             since = max(since, seen)
             now = time.monotonic()
@@ -397,10 +344,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             armed_since = step.armed_since
             woken = False
             if step.action is Action.CLOSED:
-                self._leave_round()
+                self._keys_held.leave()
                 raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
             if step.action is Action.TIMEOUT:
-                self._leave_round()
+                self._keys_held.leave()
                 raise RendezvousTimeoutError(
                     f"round {r} of run {keys.run_id!r} did not form within join_timeout="
                     f"{self._join_timeout:g} s: {view.alive} node(s) alive, min_nodes="
@@ -410,11 +357,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if step.action is Action.ARM:
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
-                sealed, mine = self._try_seal(r)
-                if mine is not None:  # this node sealed the round: it knows its rank
-                    return self._collect(r, *mine, previous)[1]
-                if not sealed:
-                    self._wait_for_sealer(r, deadline)
+                attempt = self._sealer.try_seal(r)
+                self._keys_held.consumed(attempt.left_marks)
+                if attempt.mine is not None:  # this node sealed the round: it knows its rank
+                    return self._collect(r, *attempt.mine, previous)[1]
+                if not attempt.held:
+                    self._sealer.wait(r, deadline, self._watch)
                 woken = True
             elif step.action is Action.COLLECT:
                 reads = store.read_many([rank_key, status_key])
@@ -423,7 +371,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if done:
                     return info
             else:
-                self._delete_garbage()  # while idle
+                self._keys_held.collect()  # while idle
                 if now - started > HISTORY_DEFER:
                     self.history.release()
                 if self._spare:
@@ -433,7 +381,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                                                  keys.status(r))
                     if decode_status(keys.status(r), raw) is True:
                         try:
-                            self._leave_round()
+                            self._keys_held.leave()
                         except RendezvousError as exc:  # the store may already be gone
                             logger.info("a spare leaving a closed run: %s", exc)
                         raise RendezvousClosedError(
@@ -446,153 +394,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     done, info = self._collect(r, raw, None, previous, status_read=False)
                     if done:
                         return info
-
-    def _observe(self, r: int) -> tuple[RoundView, int]:
-        """The round as seen now and the revision of its ``ctl/`` to watch from, in one
-        :meth:`Store.read_many` (one round trip on TCPStore, one transaction on etcd). Reads what
-        the decision can need and nothing more: the armed flag only if ``min_nodes <
-        max_nodes``, the previous round's members only for r > 0."""
-        keys, rules = self._keys, self._rules
-        status_key, armed_key = keys.status(r), keys.armed(r)
-        nodes, expect_dir, back_dir = keys.nodes(r), keys.expect_dir(r), keys.back_dir(r)
-        ctl = keys.ctl(r)
-        may_arm = rules.min_nodes < rules.max_nodes
-        reads = self._store.read_many(
-            keys=[status_key, armed_key] if may_arm else [status_key],
-            counts=[nodes, expect_dir, back_dir] if r > 0 else [nodes],
-            revisions=[ctl],
-        )
-        seen = reads.revisions[ctl]
-        status = decode_status(status_key, reads.values[status_key])
-        if status is not None:
-            return RoundView(status is True, status is not True, 0, 0, 0, False), seen
-        alive = reads.counts[nodes]
-        expected = reads.counts.get(expect_dir, 0)
-        armed = rules.min_nodes <= alive < rules.max_nodes and reads.values[armed_key] is not None
-        rejoined = reads.counts[back_dir] if expected else 0
-        return RoundView(False, False, alive, rejoined, expected, armed), seen
-
-    def _try_seal(self, r: int) -> tuple[bool, tuple[bytes, bytes] | None]:
-        """Seal round r if this node gets the sealer lock.
-
-        Returns (False, None) if another node holds the lock; else (True, this node's rank
-        record and the round's status if this call sealed the round with it). One round trip
-        takes the lock, one reads the status and the joiners, one writes the decision
-        (:meth:`_write_decision`: fenced, and emptying the lock with it). A sealer fenced off
-        (it lost the lock while paused, or :meth:`set_closed` closed the round first) writes
-        nothing and reads the round's outcome like the others. Emptying the lock, or the
-        holder's death, wakes the nodes waiting for it (:meth:`_wait_for_sealer`).
-        """
-        store, keys = self._store, self._keys
-        me, lock = self._node_id.encode(), keys.sealer(r)
-        if store.compare_set(lock, b"", me, ephemeral=True) != me:
-            return False, None
-        status, nodes_dir = keys.status(r), keys.nodes(r)
-        written: bool | None = None
-        mine = None
-        # What the history's round_formed event needs comes with the same read.
-        history = ([round_event_key(keys, r - 1)] if r > 0 else [], [keys.left_dir(r)])
-        if self._history_size <= 0:
-            history = ([], [])
-        with store.batch():
-            try:
-                reads = store.read_many(keys=[status, *history[0]], lists=[nodes_dir, *history[1]])
-                if reads.values[status] is None:  # not sealed (nor closed) before the lock was ours
-                    written, mine = self._seal(r, reads.lists[nodes_dir], reads)
-            except BaseException:
-                with contextlib.suppress(StoreError):  # the lock may be another node's by now
-                    store.compare_set(lock, me, b"", ephemeral=True)
-                raise
-            if written is None:  # nothing written: release the lock (a quiet write)
-                store.set(lock, b"", ephemeral=True)
-            elif not written:  # fenced off: release the lock only if it is still this node's
-                store.compare_set(lock, me, b"", ephemeral=True)
-        return True, mine
-
-    def _seal(
-        self, r: int, listed: dict[str, bytes], reads: Reads
-    ) -> tuple[bool | None, tuple[bytes, bytes] | None]:
-        """Write round r's decision and each joiner's rank, given the ``listed`` descriptors
-        (lock held). Returns whether it was written (None: nothing to write, with fewer than
-        min_nodes joiners left: the others re-evaluate), and this node's rank record and the
-        status if it is a member."""
-        keys, prefix = self._keys, len(self._keys.nodes(r))
-        joiners = {}
-        for key, raw in listed.items():
-            node = decode_node(key, raw)
-            if node.node_id != key[prefix:]:
-                raise RendezvousStateError(
-                    f"rendezvous key {key!r} holds the descriptor of node {node.node_id!r}"
-                )
-            joiners[node.node_id] = node
-        ranks = plan_ranks(joiners, self._rules)
-        if ranks is None:
-            return None, None
-        rank0 = joiners[next(node_id for node_id, rank in ranks.items() if rank == 0)]
-        decision = Decision(len(ranks), rank0.host, rank0.port,
-                            seal_of(self._node_id, ranks, rank0.host, rank0.port), self._fence)
-        records, status = encode_ranks(ranks, decision), encode_decision(decision)
-        names = [keys.rank(r, node_id) for node_id in records]
-        values = list(records.values())
-        left_marks: list[str] = []
-        if self._history_size > 0:  # the history's event travels with the seal (no round trip)
-            event, left_marks = round_event(keys, r, ranks, joiners, reads, self._node_id)
-            names.append(round_event_key(keys, r))
-            values.append(encode_event(event))
-        names += [keys.status(r), keys.sealed]
-        values += [status, str(r).encode()]
-        try:
-            written = self._write_decision(r, names, values)
-        except StoreUnsupportedError as exc:  # (once: the records must not claim a fence)
-            logger.warning("rendezvous %s: %s; sealing without fencing", keys.run_id, exc)
-            self._fence = False
-            return self._seal(r, listed, reads)
-        if not written:
-            logger.warning("rendezvous %s round %d: %s lost the sealer lock before its decision "
-                           "was written (paused longer than its session ttl?); it reads the "
-                           "round's decision instead", keys.run_id, r, self._node_id)
-            return False, None
-        self._left_marks = left_marks
-        logger.info("rendezvous %s round %d sealed by %s: world_size %d",
-                    keys.run_id, r, self._node_id, decision.world_size)
-        mine = records.get(self._node_id)
-        return True, None if mine is None else (mine, status)
-
-    def _write_decision(self, r: int, names: list[str], values: list[bytes]) -> bool:
-        """Write round r's decision, ``names`` (its status and ``sealed`` pointer last), and
-        empty the sealer lock with it, only while the lock names this node and the round has
-        no status (:meth:`Store.multi_set_if`: a lock lost while paused, or a round closed
-        meanwhile, fences the write off); whether it was written.
-
-        A store that cannot write conditionally (a store server older than fencing) gets the
-        unfenced write of rdzv before it: the decision, then the release and a read of
-        ``closed`` and of the status in one round trip (a :meth:`set_closed` that came first
-        is seen, and the next round closed too); the members check their rank records
-        against the status (:func:`check_rank`), so a stale sealer's decision is not taken.
-        """
-        store, keys = self._store, self._keys
-        lock, status = keys.sealer(r), keys.status(r)
-        if self._fence:
-            return store.multi_set_if(
-                {lock: self._node_id.encode(), status: None}, [*names, lock], [*values, b""]
-            )
-        store.multi_set(names, values)
-        store.set(lock, b"", ephemeral=True)
-        reads = store.read_many([keys.closed, status])
-        if reads.values[keys.closed] is not None:
-            store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
-        return reads.values[status] == values[names.index(status)]
-
-    def _wait_for_sealer(self, r: int, deadline: float) -> None:
-        """Wait until the node holding round r's sealer lock releases it (done, or dead).
-
-        The lock lives outside ``ctl/``: taking it wakes no one; only the nodes that also
-        tried to seal wait on it. The revision is read before the lock is seen held, so a
-        release in between is not missed."""
-        store, lock = self._store, self._keys.sealer(r)
-        since = store.revision(lock)
-        if store.try_get(lock):  # held: a node id (missing or empty: free)
-            self._watch(lock, since, deadline - time.monotonic())
 
     def _collect(
         self, r: int, raw: bytes | None, raw_status: bytes | None, previous: Membership | None,
@@ -621,7 +422,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if verdict is Verdict.UNSEALED:
             return False, None
         if verdict is Verdict.CLOSED:
-            self._leave_round()
+            self._keys_held.leave()
             raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
         if verdict is Verdict.LATE:
             if decision is not None:
@@ -629,16 +430,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                                "%d's (a stale sealer's write): not a member of it", keys.run_id,
                                self._node_id, r)
             logger.info("rendezvous %s: %s is late for round %d", keys.run_id, self._node_id, r)
-            store.delete_key(self._owned[0])  # not a member: not expected in round r+1
-            self._garbage += self._stale + self._owned[1:] + ([rank_key] if raw else [])
-            self._stale, self._owned = [], []
+            self._keys_held.late(rank_key if raw else None)
             return True, None
         assert decision is not None
-        self._delete_garbage()
-        # Only the liveness for round r+1 (expect) stays; the rest was needed to form round r.
-        self._garbage = self._stale + self._owned[1:] + [rank_key] + self._left_marks
-        self._left_marks = []
-        self._stale, self._owned = [], self._owned[:1]
+        self._keys_held.member(rank_key)
         self._member = Membership(r, rank, decision.world_size, previous is not None)
         return True, RendezvousInfo(
             PrefixStore(keys.user(r), store),
@@ -655,44 +450,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _side_store(self) -> Store:
         """The store for the history's background writes: the second client, if the backend
         has one (a TCPStore client serves one call at a time), else this node's store."""
-        if self._open_query_store is None:
-            return self._store
-        with self._query_lock:
-            if self._query_store is None:
-                self._query_store = self._open_query_store()
-            return self._query_store
+        return self._query(always=True)
 
-    def _query(self) -> Store:
+    def _query(self, *, always: bool = False) -> Store:
         """The store for queries: the second client while a round is being joined, if any."""
-        if self._open_query_store is None or not self._lock.locked():
+        if self._open_query_store is None or not (always or self._lock.locked()):
             return self._store
         with self._query_lock:
             if self._query_store is None:
                 self._query_store = self._open_query_store()
             return self._query_store
-
-    def _membership_changed(self, member: Membership, path: str) -> tuple[bool, int]:
-        """Whether a member should re-rendezvous, and the revision of ``path`` to watch from,
-        from one :meth:`Store.read_many`."""
-        keys = self._keys
-        next_round = member.round + 1
-        status, nodes, expect_dir, back_dir = (
-            keys.status(next_round), keys.nodes(next_round), keys.expect_dir(next_round),
-            keys.back_dir(next_round),
-        )
-        reads = self._store.read_many(
-            [status, keys.closed, keys.sealed], [nodes, expect_dir, back_dir], revisions=[path]
-        )
-        latest_sealed = decode_int(keys.sealed, reads.values[keys.sealed], -1)
-        return membership_changed(
-            closed=reads.values[status] is not None or reads.values[keys.closed] is not None,
-            waiting=reads.counts[nodes],
-            rejoined=reads.counts[back_dir],
-            alive_members=reads.counts[expect_dir],
-            world_size=member.world_size,
-            max_nodes=self._rules.max_nodes,
-            newer_round_sealed=latest_sealed > member.round,
-        ), reads.revisions[path]
 
     def _reserve_port(self) -> int:
         """A port for this round's bootstrap store (held; the previous round's is released)."""
@@ -710,23 +477,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         which joins again as a new node, under a new node id (a seal that listed its old
         descriptor just before it vanished must not hand the new node that one's rank)."""
         old, self._node_id = self._node_id, self._new_node_id()
+        self._sealer.node_id = self._node_id
         logger.warning("rendezvous %s: %s lost its session (%s); joining again as new node %s",
                        self._keys.run_id, old, exc, self._node_id)
         self._member = None
-        self._owned, self._stale = [], []
-
-    def _leave_round(self) -> None:
-        """Drop out (timed out, closed, leaving): delete every key this node still has."""
-        self._delete(self._owned + self._stale + self._garbage)
-        self._owned, self._stale, self._garbage = [], [], []
-
-    def _delete_garbage(self) -> None:
-        self._delete(self._garbage)
-        self._garbage = []
-
-    def _delete(self, keys: list[str]) -> None:
-        for key in keys:
-            self._store.delete_key(key)
+        self._keys_held.forget()
 
     def _watch(self, path: str, since: int, seconds: float) -> int:
         """Wait for ``path`` to change after ``since``, at most ``seconds`` and one store timeout.
