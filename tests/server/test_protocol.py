@@ -183,6 +183,7 @@ def test_fuzzed_responses_raise_only_protocol_errors() -> None:
         (P.encode_append(1, b"k", b"v"), False),
         (P.encode_compare_set(1, b"k", b"", b"v"), False),
         (P.encode_delete(1, b"k"), False),
+        (P.encode_close_session(1), False),
     ],
     ids=lambda v: P.OP_NAMES[v[4]] if isinstance(v, bytes) else str(v),
 )

@@ -257,7 +257,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Bounded by ``close_timeout``: with the store gone, leaving gives up rather than waiting
         out the store's own timeout (the session's ephemeral keys expire on the server anyway).
         """
-        self._store.set_timeout(min(self._close_timeout, self._store.timeout.total_seconds()))
+        for store in (self._store, self._query_store):  # (the history writes through the second)
+            if store is not None:
+                store.set_timeout(min(self._close_timeout, store.timeout.total_seconds()))
         self.history.close(min(2.0, self._close_timeout))
         try:
             self._keys_held.leave()

@@ -18,11 +18,12 @@ from typing import Callable
 from ..errors import RendezvousStateError, StoreError, StoreUnsupportedError
 from ..store import Reads, Store
 from ._decisions import RoundRules, plan_ranks
-from ._history import encode_event, round_event_key
+from ._history import RunEvent, encode_event, round_event_key
 from ._history_facts import round_event
 from ._layout import (
     CLOSED_STATUS,
     Decision,
+    NodeDescriptor,
     RunKeys,
     decode_node,
     encode_decision,
@@ -122,17 +123,22 @@ class Sealer:
         ranks = plan_ranks(joiners, self._rules)
         if ranks is None:
             return None, SealAttempt(held=True)
+        event = self._round_event(r, ranks, joiners, reads)
+        # A record says "fenced" (its member needs no read of the status) only if the whole
+        # decision, lock included, is one atomic write: etcd splits a long one.
+        limit = self._store.capabilities.atomic_writes
+        fenced = self._fence and (limit is None or len(ranks) + 4 <= limit)
         rank0 = joiners[next(node_id for node_id, rank in ranks.items() if rank == 0)]
         decision = Decision(len(ranks), rank0.host, rank0.port,
-                            seal_of(self.node_id, ranks, rank0.host, rank0.port), self._fence)
+                            seal_of(self.node_id, ranks, rank0.host, rank0.port), fenced)
         records, status = encode_ranks(ranks, decision), encode_decision(decision)
         names = [keys.rank(r, node_id) for node_id in records]
         values = list(records.values())
         left_marks: list[str] = []
-        if self._history:  # the history's event travels with the seal (no round trip)
-            event, left_marks = round_event(keys, r, ranks, joiners, reads, self.node_id)
+        if event is not None:  # the history's event travels with the seal (no round trip)
             names.append(round_event_key(keys, r))
-            values.append(encode_event(event))
+            values.append(encode_event(event[0]))
+            left_marks = event[1]
         names += [keys.status(r), keys.sealed]
         values += [status, str(r).encode()]
         try:
@@ -151,6 +157,21 @@ class Sealer:
         mine = records.get(self.node_id)
         return True, SealAttempt(True, None if mine is None else (mine, status), left_marks)
 
+    def _round_event(
+        self, r: int, ranks: dict[str, int], joiners: dict[str, NodeDescriptor], reads: Reads
+    ) -> tuple[RunEvent, list[str]] | None:
+        """The history's ``round_formed`` event of this decision and the leave marks it
+        consumed; None without a history, or if it cannot be built (the history never fails
+        a seal: a corrupt earlier event loses this one, not the round)."""
+        if not self._history:
+            return None
+        try:
+            return round_event(self._keys, r, ranks, joiners, reads, self.node_id)
+        except Exception as exc:  # noqa: BLE001 - whatever the history holds
+            logger.warning("rendezvous %s round %d: no history event for this round: %s: %s",
+                           self._keys.run_id, r, type(exc).__name__, exc)
+            return None
+
     def _write_decision(self, r: int, names: list[str], values: list[bytes]) -> bool:
         """Write round r's decision, ``names`` (its status and ``sealed`` pointer last), and
         empty the sealer lock with it, only while the lock names this node and the round has
@@ -158,10 +179,11 @@ class Sealer:
         meanwhile, fences the write off); whether it was written.
 
         A store that cannot write conditionally (a store server older than fencing) gets the
-        unfenced write of rdzv before it: the decision, then the release and a read of
-        ``closed`` and of the status in one round trip (a ``set_closed`` that came first is
-        seen, and the next round closed too); the members check their rank records against
-        the status (:func:`check_rank`), so a stale sealer's decision is not taken.
+        rank records, then the status only if the round has none (``compare_set``: a stale
+        sealer never replaces another decision's status), then the ``sealed`` pointer and the
+        release; a read of ``closed`` sees a ``set_closed`` that came first (the next round is
+        closed too). The members check their rank records against the status
+        (:func:`check_rank`), so a stale sealer's records are not taken.
         """
         store, keys = self._store, self._keys
         lock, status = keys.sealer(r), keys.status(r)
@@ -169,9 +191,14 @@ class Sealer:
             return store.multi_set_if(
                 {lock: self.node_id.encode(), status: None}, [*names, lock], [*values, b""]
             )
-        store.multi_set(names, values)
-        store.set(lock, b"", ephemeral=True)
-        reads = store.read_many([keys.closed, status])
-        if reads.values[keys.closed] is not None:
+        *records, (_, ours), (sealed, pointer) = zip(names, values)
+        store.multi_set([name for name, _ in records], [value for _, value in records])
+        written = store.compare_set(status, b"", ours) == ours
+        if written:
+            store.set(sealed, pointer)
+            store.set(lock, b"", ephemeral=True)
+        else:
+            store.compare_set(lock, self.node_id.encode(), b"", ephemeral=True)
+        if store.try_get(keys.closed) is not None:
             store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
-        return reads.values[status] == values[names.index(status)]
+        return written

@@ -73,10 +73,13 @@ MUTATING_OPS = frozenset(
 a request resent after a reconnect (same session, id not above it) is not applied twice."""
 PIPELINED_OPS = frozenset({OP_SET, OP_MULTI_SET})
 """Void writes a client may send without waiting for their answer (the answer is empty)."""
-RESENDABLE_AFTER_EXPIRY = frozenset(range(256)) - MUTATING_OPS | {OP_MULTI_SET_IF}
+RESENDABLE_AFTER_EXPIRY = (
+    frozenset(range(256)) - MUTATING_OPS - {OP_CLOSE_SESSION} | {OP_MULTI_SET_IF}
+)
 """Requests a client may send again in a new session when it cannot know whether its expired
 session applied them: reads, and conditional writes (their conditions are checked again, and
-one on a key of the expired session fails). Any other write may be applied twice, or act on a
+one on a key of the expired session fails); not a close of the session (it would close the
+new one). Any other write may be applied twice, or act on a
 state that others changed once the session expired (docs/protocol.md, "Session expiry")."""
 
 FLAG_EPHEMERAL = 1

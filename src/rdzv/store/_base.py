@@ -58,6 +58,9 @@ class StoreCapabilities:
     """Several processes (or hosts) can share the store."""
     conditional: bool = False
     """:meth:`Store.multi_set_if`: a multi-key write applied atomically only while conditions hold."""
+    atomic_writes: int | None = None
+    """The most keys one :meth:`Store.multi_set_if` writes in one atomic step (None: any
+    number). A longer write goes in several steps, each fenced by the conditions."""
 
 
 @dataclass(frozen=True)

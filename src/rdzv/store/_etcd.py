@@ -63,7 +63,8 @@ class EtcdStore(Store):
     """
 
     capabilities = StoreCapabilities(
-        watch=True, ephemeral=True, listing=True, multi_process=True, conditional=True
+        watch=True, ephemeral=True, listing=True, multi_process=True, conditional=True,
+        atomic_writes=MAX_TXN_OPS,
     )
     client_type: ClassVar[type[EtcdClient]] = EtcdClient
     """The class of :attr:`client` (a backend may send its requests its own way)."""
