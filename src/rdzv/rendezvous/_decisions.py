@@ -27,7 +27,9 @@ Accepting a rank (:func:`check_rank`): a node takes the rank its record gives on
 belongs to the decision in the round's status (the same ``seal``). The sealer writes both in one
 fenced write, so they differ only if a sealer wrote without the lock (a store that cannot fence
 its writes): a record of another decision than the status's is not this round's, and the node
-is late for it; a record without a status yet means the decision is still being written.
+is late for it; a record without a status yet means the decision is still being written. (A
+record that says a fenced write made it is its round's status: the engine takes it as such
+without reading the status.)
 """
 
 from __future__ import annotations
