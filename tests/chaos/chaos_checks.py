@@ -246,8 +246,16 @@ def check_liveness(events: list[Event], limits: Limits) -> list[Violation]:
     return []
 
 
-def check_all(events: list[Event], limits: Limits) -> list[Violation]:
+def until_end(events: list[Event]) -> list[Event]:
+    """The events in time order up to the run's ``end`` (what the nodes did while the harness
+    stopped them is not part of the run)."""
     events = sorted(events, key=lambda e: e["t"])
+    ends = of_kind(events, "end")
+    return [e for e in events if e["t"] <= ends[-1]["t"]] if ends else events
+
+
+def check_all(events: list[Event], limits: Limits) -> list[Violation]:
+    events = until_end(events)
     return (check_decisions(events, limits) + check_store_decisions(events)
             + check_groups(events) + check_exceptions(events)
             + check_acked(events) + check_livelock(events) + check_liveness(events, limits))
@@ -256,8 +264,8 @@ def check_all(events: list[Event], limits: Limits) -> list[Violation]:
 # -- figures ---------------------------------------------------------------------------------
 def recoveries(events: list[Event]) -> list[float]:
     """Seconds from each server kill until every node active just before it made progress
-    again (a training step or a new round) after the server was back."""
-    events = sorted(events, key=lambda e: e["t"])
+    again (a training step or a new round) after the server was back (``events`` in time
+    order)."""
     progress = of_kind(events, "joined", "step")
     found = []
     for kill in (f for f in of_kind(events, "fault") if f["kind"] == "server"):
@@ -275,6 +283,7 @@ def recoveries(events: list[Event]) -> list[float]:
 
 
 def figures(events: list[Event]) -> dict[str, Any]:
+    events = until_end(events)
     errors = of_kind(events, "error")
     recovered = recoveries(events)
     return {

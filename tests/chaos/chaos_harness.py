@@ -15,8 +15,9 @@ drawn from the nodes alive then, in name order). Faults:
 * ``server``: SIGKILL the tcp store server (restarted on its ``--data-dir``) or the etcd
   leader (restarted), rarely.
 
-After the faults stop every paused node is resumed, and the soak waits until every alive node
-is in one round that held ``hold`` seconds (at most ``recovery_bound`` seconds).
+The faults stop once the last paused node is resumed; then the soak waits until every alive
+node is in one round that held ``hold`` seconds (at most ``recovery_bound`` seconds), reads
+each round's decision back from the store (the audit), and stops every process it started.
 """
 
 from __future__ import annotations
@@ -260,14 +261,13 @@ class Soak:
         self.sleep(start + config.duration - time.monotonic())
         self.pause_file.unlink(missing_ok=True)
         self.armed = None
-        for name in self.paused:
-            self.paused[name] = 0.0
+        self.sleep(max([0.0, *self.paused.values()]) - time.monotonic())  # the last pause ends
         self.record("faults_end")
         self.settle()
         self.audit()
-        self.record("end", alive=sorted(self.nodes))
         acked, missing = checker.missing()
         self.record("ack_check", acked=acked, missing=missing)
+        self.record("end", alive=sorted(self.nodes))
 
     def audit(self) -> None:
         """Record each round's decision as its store holds it now: the status and the rank

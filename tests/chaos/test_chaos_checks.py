@@ -98,3 +98,8 @@ def test_figures() -> None:
     assert numbers["rounds"] == 2
     assert numbers["faults"] == {"kill": 1}
     assert numbers["expected exceptions"] == {"SessionExpiredError": 1}
+
+
+def test_what_happens_after_the_end_is_not_part_of_the_run() -> None:
+    stopping = GOOD + round_of(31.0, 2, ["a", "b"])  # the harness kills d first
+    assert check_all(stopping, LIMITS) == []
