@@ -273,7 +273,7 @@ def recoveries(events: list[Event]) -> list[float]:
         if up is None:
             continue
         active = {e["node"] for e in progress if kill["t"] - 2.0 <= e["t"] <= kill["t"]}
-        back = {}
+        back: dict[str, float] = {}
         for event in progress:
             if event["t"] > up and event["node"] in active:
                 back.setdefault(event["node"], event["t"])

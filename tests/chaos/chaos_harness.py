@@ -81,7 +81,8 @@ def plan(seed: int, duration: float, gap: tuple[float, float]) -> list[tuple[flo
     rng = random.Random(seed)
     first = sorted(KINDS)
     rng.shuffle(first)
-    schedule, t = [], 0.0
+    schedule: list[tuple[float, str]] = []
+    t = 0.0
     while True:
         t += rng.uniform(*gap)
         if t >= duration:
@@ -200,36 +201,43 @@ class Soak:
             time.sleep(TICK)
 
     # -- faults ------------------------------------------------------------------------------
-    def inject(self, kind: str) -> None:
-        config, active = self.config, self.active()
-        low, high = config.min_nodes + 1, config.max_nodes + 2
-        if kind in ("kill", "pause", "leave") and len(active) <= low:
-            kind = "join"
-        if kind in ("join", "spares", "seal_pause") and len(self.nodes) >= high:
-            kind = "kill" if len(active) > low else "pause"
+    def adjust(self, kind: str) -> str | None:
+        """The fault to inject instead of ``kind`` given the nodes now (None: none), keeping
+        between ``min_nodes + 1`` and ``max_nodes + 2`` nodes and one stale sealer at a time."""
+        active, low, high = len(self.active()), self.config.min_nodes + 1, self.config.max_nodes + 2
         if kind == "seal_pause" and (self.armed is not None or self.paused):
             kind = "join"
+        if kind in ("kill", "pause", "leave") and active <= low:
+            kind = "join"
+        if kind in ("join", "spares", "seal_pause") and len(self.nodes) >= high:
+            return "kill" if active > low else None
+        return kind
+
+    def inject(self, planned: str) -> None:
+        kind = self.adjust(planned)
+        if kind is None:
+            return
         target: str | None = None
-        if kind in ("kill", "pause", "leave"):
-            target = self.rng.choice(active)
         detail: Any = None
-        if kind == "kill":
-            self.nodes.pop(target).kill()
-        elif kind == "pause":
-            detail = round(self.rng.uniform(1.0, config.pause_max), 2)
-            self.pause(target, detail)
-        elif kind == "leave":
-            (self.workdir / f"leave-{target}").touch()
-            self.leaving[target] = time.monotonic() + LEAVE_GRACE
+        if kind in ("kill", "pause", "leave"):
+            name = target = self.rng.choice(self.active())
+            if kind == "kill":
+                self.nodes.pop(name).kill()
+            elif kind == "pause":
+                detail = round(self.rng.uniform(1.0, self.config.pause_max), 2)
+                self.pause(name, detail)
+            else:
+                (self.workdir / f"leave-{name}").touch()
+                self.leaving[name] = time.monotonic() + LEAVE_GRACE
         elif kind == "join":
             target = self.start_node()
         elif kind == "spares":
-            detail = [self.start_node() for _ in range(config.max_nodes + self.rng.randint(1, 2)
-                                                       - len(self.nodes))]
+            more = self.config.max_nodes + self.rng.randint(1, 2) - len(self.nodes)
+            detail = [self.start_node() for _ in range(more)]
         elif kind == "seal_pause":
             self.pause_file.touch()
             self.armed = time.monotonic() + ARMED_FOR
-            target = self.start_node()
+            target = self.start_node()  # a round forms
         self.record("fault", kind=kind, target=target, detail=detail)
         if kind == "server":
             self.server_fault()
@@ -300,11 +308,11 @@ class Soak:
                 return
 
     def close(self) -> None:
+        if self.checker is not None:
+            self.checker.stop()
         for process in self.nodes.values():
             process.signal(signal.SIGCONT)
         self.launcher.kill_all()
-        if self.checker is not None:
-            self.checker.stop()
         self.backend.close()
 
 

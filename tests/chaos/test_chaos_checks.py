@@ -103,3 +103,12 @@ def test_figures() -> None:
 def test_what_happens_after_the_end_is_not_part_of_the_run() -> None:
     stopping = GOOD + round_of(31.0, 2, ["a", "b"])  # the harness kills d first
     assert check_all(stopping, LIMITS) == []
+
+
+def test_one_seed_gives_one_schedule_with_every_kind_first() -> None:
+    from chaos_harness import KINDS, plan
+
+    schedule = plan(17, 60.0, (1.0, 3.0))
+    assert schedule == plan(17, 60.0, (1.0, 3.0)) != plan(18, 60.0, (1.0, 3.0))
+    assert sorted(kind for _, kind in schedule[:len(KINDS)]) == sorted(KINDS)
+    assert all(0 < t < 60.0 for t, _ in schedule)
