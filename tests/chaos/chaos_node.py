@@ -4,10 +4,11 @@ It loops until its deadline: ``next_rendezvous()``, writes its name under its ra
 round's store and reads the whole member set back, then "trains" in steps, each a
 ``wait_for_membership_change()`` of a random while plus a ``num_nodes_waiting()``, and goes back
 to the rendezvous on a change. Everything it sees goes to its own append-only JSON-lines history
-(see chaos_checks). It leaves gracefully (``announce_leaving()``, then exits) once the harness
-creates its leave file. With the pause file armed, the first node to seal a round after it
-appears stops itself (SIGSTOP) right after listing the joiners, in the middle of the seal: the
-harness resumes it later, past the session ttl (the stale sealer of issue 17).
+(see chaos_checks). It leaves gracefully once the harness creates its leave file: a member
+calls ``announce_leaving()`` and ``shutdown()``; a node waiting for a round (a spare) exits.
+With the pause file armed, the first node to seal a round after it appears stops itself
+(SIGSTOP) right after listing the joiners, in the middle of the seal: the harness resumes it
+later, past the session ttl (the stale sealer of issue 17).
 
 rdzv is imported from wherever ``PYTHONPATH`` points first (to soak another source tree).
 
@@ -133,10 +134,13 @@ class Node:
 
     def watch_spare(self, done: threading.Event) -> None:
         """Record when this waiting node becomes a spare (or stops being one), or joins again
-        under a new node id (its session expired)."""
+        under a new node id (its session expired); leave when told to."""
         is_spare = getattr(self.handler, "is_spare", lambda: False)  # rdzv before spares: none
         spare, node_id = False, self.handler.node_id
         while not done.wait(SPARE_POLL):
+            if self.leaving():  # not a member: nothing to announce; the process just ends
+                self.history.record("left", announced=False)
+                os._exit(0)
             now = (is_spare(), self.handler.node_id)
             if now != (spare, node_id):
                 spare, node_id = now
