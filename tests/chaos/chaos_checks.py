@@ -263,10 +263,11 @@ def check_all(events: list[Event], limits: Limits) -> list[Violation]:
 
 # -- figures ---------------------------------------------------------------------------------
 def recoveries(events: list[Event]) -> list[float]:
-    """Seconds from each server kill until every node active just before it made progress
-    again (a training step or a new round) after the server was back (``events`` in time
+    """Seconds from each server kill until every node that was training just before it had
+    recovered (trained, joined a round, or waits as a spare beside a full one) after the server
+    was back; a node hit by another fault before it recovered is left out (``events`` in time
     order)."""
-    progress = of_kind(events, "joined", "step")
+    progress = of_kind(events, "joined", "step", "spare")
     found = []
     for kill in (f for f in of_kind(events, "fault") if f["kind"] == "server"):
         up = next((e["t"] for e in of_kind(events, "server_up") if e["t"] >= kill["t"]), None)
@@ -277,8 +278,11 @@ def recoveries(events: list[Event]) -> list[float]:
         for event in progress:
             if event["t"] > up and event["node"] in active:
                 back.setdefault(event["node"], event["t"])
-        if back:
-            found.append(max(back.values()) - kill["t"])
+        hit = {(f["target"], f["t"]) for f in of_kind(events, "fault") if f["t"] > kill["t"]}
+        times = [t for node, t in back.items()
+                 if not any(target == node and when < t for target, when in hit)]
+        if times:
+            found.append(max(times) - kill["t"])
     return found
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from chaos_checks import Event, Limits, check_all, figures, settled
+from chaos_checks import Event, Limits, check_all, figures, recoveries, settled
 
 LIMITS = Limits(min_nodes=2, max_nodes=3, recovery_bound=10.0, hold=2.0)
 
@@ -112,3 +112,11 @@ def test_one_seed_gives_one_schedule_with_every_kind_first() -> None:
     assert schedule == plan(17, 60.0, (1.0, 3.0)) != plan(18, 60.0, (1.0, 3.0))
     assert sorted(kind for _, kind in schedule[:len(KINDS)]) == sorted(KINDS)
     assert all(0 < t < 60.0 for t, _ in schedule)
+
+
+def test_recovery_after_a_server_restart_leaves_out_nodes_hit_meanwhile() -> None:
+    history = [ev(9.5, "step", node=n, round=0, waiting=0) for n in ("a", "b")] + [
+        ev(10.0, "fault", kind="server", target="rdzv serve"), ev(12.0, "server_up"),
+        ev(12.5, "fault", kind="pause", target="b"), ev(13.0, "step", node="a", round=0),
+        ev(30.0, "joined", node="b", round=1, rank=0, world=2, node_id="b#1")]
+    assert recoveries(history) == [3.0]
