@@ -141,6 +141,8 @@ class Node:
             if self.leaving():  # not a member: nothing to announce; the process just ends
                 self.history.record("left", announced=False)
                 os._exit(0)
+            if time.time() > self.deadline:  # a spare waits without a timeout: bounded here
+                os._exit(0)
             now = (is_spare(), self.handler.node_id)
             if now != (spare, node_id):
                 spare, node_id = now
