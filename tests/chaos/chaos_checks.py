@@ -10,12 +10,16 @@ sessions):
   per rank, None where a member never wrote), and ``conflict`` (a name found under its own
   rank that is not its own, else None);
 * ``step``: it trained in ``round`` and saw no membership change;
+* ``waiting``, ``spare``, ``joined`` and ``seal_pause`` carry the engine's ``node_id`` (a new
+  one after the node's session expired);
 * ``error``: an exception of ``type``, ``expected`` or not, with ``message``;
 * ``left`` (a graceful leave), ``closed``, ``seal_pause`` (it stopped itself while sealing).
 
-Harness events have no ``node``: ``fault`` (``kind``, ``target``), ``ack_check`` (``acked``,
-``missing``: the checker's acknowledged writes read back after a server restart), ``server_up``
-(after a restart), ``faults_end`` and ``end`` (``alive``: the nodes alive at the end).
+The harness records ``start`` (a node process started) and ``resumed`` (SIGCONT) with ``node``,
+and without: ``fault`` (``kind``, ``target``), ``server_up`` (after a restart), ``ack_check``
+(``acked``, ``missing``: the checker's acknowledged writes read back), ``faults_end``,
+``decision`` (the audit: round ``round``'s ``status`` and ``ranks``, its rank records by node
+id, as the store holds them at the end) and ``end`` (``alive``: the nodes alive at the end).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ Event = dict[str, Any]
 
 ROUNDS_PER_CHANGE = 4
 """Rounds a membership change (a fault or a join) may cause before the soak calls it a livelock."""
-SPARE_STATES = ("spare",)
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ def settled(events: list[Event], alive: Iterable[str], limits: Limits) -> Settle
             state[event["node"]] = event
     alive = sorted(alive)
     members = [n for n in alive if n in state and state[n]["ev"] == "joined"]
-    spares = [n for n in alive if n in state and state[n]["ev"] in SPARE_STATES]
+    spares = [n for n in alive if n in state and state[n]["ev"] == "spare"]
     rounds = {state[n]["round"] for n in members}
     if len(rounds) != 1:
         return Settled(None, (), tuple(spares), 0.0, f"members in rounds {sorted(rounds)}")
