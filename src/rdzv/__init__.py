@@ -26,18 +26,23 @@ from .errors import (
     StoreError,
     StoreProtocolError,
     StoreTimeoutError,
+    StoreUnsupportedError,
     StoreValueError,
 )
 if TYPE_CHECKING:
     from .rendezvous import (
+        EventLog,
+        EventWriter,
         RendezvousHandler,
         RendezvousHandlerRegistry,
         RendezvousInfo,
         RendezvousParameters,
         RendezvousStoreInfo,
+        RunEvent,
         get_rendezvous_handler,
         handler_registry,
         parse_rendezvous_url,
+        read_events,
         rendezvous_url,
     )
     from .server import StoreServer
@@ -48,14 +53,18 @@ _EXPORTS = {
         "EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "StoreCapabilities", "TCPStore"
     )},
     **{name: ".rendezvous" for name in (
+        "EventLog",
+        "EventWriter",
         "RendezvousHandler",
         "RendezvousHandlerRegistry",
         "RendezvousInfo",
         "RendezvousParameters",
         "RendezvousStoreInfo",
+        "RunEvent",
         "get_rendezvous_handler",
         "handler_registry",
         "parse_rendezvous_url",
+        "read_events",
         "rendezvous_url",
     )},
     "StoreServer": ".server",
@@ -64,6 +73,8 @@ _EXPORTS = {
 __all__ = [
     "__version__",
     "EtcdStore",
+    "EventLog",
+    "EventWriter",
     "FileStore",
     "HashStore",
     "PrefixStore",
@@ -81,6 +92,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "RunEvent",
     "SessionExpiredError",
     "Store",
     "StoreServer",
@@ -90,11 +102,13 @@ __all__ = [
     "StoreError",
     "StoreProtocolError",
     "StoreTimeoutError",
+    "StoreUnsupportedError",
     "StoreValueError",
     "TCPStore",
     "get_rendezvous_handler",
     "handler_registry",
     "parse_rendezvous_url",
+    "read_events",
     "rendezvous_url",
 ]
 

@@ -80,3 +80,7 @@ class StoreValueError(StoreError, ValueError):
 
 class SessionExpiredError(StoreError):
     """This client's session (and so its ephemeral keys) expired or was revoked."""
+
+
+class StoreUnsupportedError(StoreError, NotImplementedError):
+    """The store (or its server) cannot carry out this operation: see its capabilities."""

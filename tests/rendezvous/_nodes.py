@@ -10,7 +10,11 @@ Both kinds answer the same requests, started with ``request(op, *args)`` (return
 A failed call raises :class:`NodeError` with the exception's type name. Run as
 ``python _nodes.py '<json spec>'`` the module is the child: the spec holds the
 RendezvousParameters (``backend``, ``endpoint``, ``run_id``, ``min_nodes``, ``max_nodes``,
-``local_addr`` and the backend options).
+``local_addr`` and the backend options), and optionally ``stop_in_seal``: a file path; the
+node then stops itself (a real SIGSTOP) in its first seal, after listing the joiners and before
+writing its decision, once it has written the number of joiners it listed to that file (a
+paused sealer: a VM freeze, a long GC pause); it goes on only once the file ``<path>.go``
+exists (the test creates it, then sends SIGCONT).
 """
 
 from __future__ import annotations
@@ -128,7 +132,9 @@ class ProcessNode(PipedChild):
     """A handler in a child process, killable with real signals."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        super().__init__(os.path.abspath(__file__), json.dumps(spec))
+        # (a node that stops itself runs in its own process group: see PipedChild)
+        super().__init__(os.path.abspath(__file__), json.dumps(spec),
+                         own_group="stop_in_seal" in spec)
         self._ids = itertools.count()
         self._pending: dict[int, Pending] = {}
         self._ready = Pending()
@@ -170,9 +176,32 @@ class ProcessNode(PipedChild):
         return self.request(op, *args).result(timeout)
 
 
+def _stop_in_first_seal(marker: str) -> None:
+    """Wrap the engine's seal step: the first seal stops this process after the listing."""
+    import signal
+
+    from rdzv.rendezvous._engine import DynamicRendezvousHandler
+
+    seal = DynamicRendezvousHandler._seal
+
+    def stopping_seal(self: Any, r: int, listed: dict[str, bytes]) -> Any:
+        DynamicRendezvousHandler._seal = seal  # type: ignore[method-assign]
+        with open(marker + ".tmp", "w") as out:
+            out.write(str(len(listed)))
+        os.rename(marker + ".tmp", marker)
+        while not os.path.exists(marker + ".go"):  # a SIGCONT from elsewhere: stop again
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return seal(self, r, listed)
+
+    DynamicRendezvousHandler._seal = stopping_seal  # type: ignore[method-assign]
+
+
 def _child_main(spec: dict[str, Any]) -> None:
     from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
 
+    marker = spec.pop("stop_in_seal", None)
+    if marker is not None:
+        _stop_in_first_seal(marker)
     handler = get_rendezvous_handler(RendezvousParameters(**spec))
     runtime = Runtime(handler)
     out_lock = threading.Lock()

@@ -18,6 +18,7 @@ Every wait is bounded; timing bounds are generous (a loaded 2-core machine) and 
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ import pytest
 from _nodes import NodeError
 from _waiting import eventually
 
-from rdzv.rendezvous._layout import RunKeys
+from rdzv.rendezvous._layout import RunKeys, decode_rank, decode_status
 
 LONG = 60.0
 """A last-call or join timeout that a test must NOT wait for."""
@@ -34,6 +35,15 @@ AT_ONCE = 30.0
 """Results expected "at once" must arrive within this (far below LONG)."""
 
 
+
+
+def process_state(pid: int) -> str:
+    """The state letter /proc gives process ``pid`` (T: stopped), for failure messages."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
 
 
 def form(nodes: list[Any], timeout: float = AT_ONCE) -> list[dict[str, Any]]:
@@ -171,6 +181,59 @@ class RendezvousContract:
         finally:
             nodes[2].resume()
             nodes[2].kill()
+
+    def test_a_sealer_paused_past_its_ttl_does_not_write_a_second_decision(self, cluster, tmp_path):
+        """A sealer stops (SIGSTOP) after listing the joiners of round 0 (itself, a, c), longer
+        than its session ttl: its lock and descriptor expire, a and c seal round 0 without it
+        (world size 2). Resumed (SIGCONT), the stale sealer must not write its decision (world
+        size 3) into round 0: round 0 keeps one decision, the one its members got; the stale
+        node joins again and forms round 1 with them."""
+        if not cluster.processes or cluster.hung_options is None:
+            pytest.skip("needs process nodes and a heartbeat ttl")
+        marker = str(tmp_path / "stopped-in-seal")
+        fast = {"last_call_timeout": 0.3, **cluster.hung_options}
+        stale = cluster.node(2, 4, stop_in_seal=marker, **fast)
+        # (a and c keep the cluster's longer ttl: a loaded machine must not expire them too)
+        a, c = cluster.node(2, 4, last_call_timeout=3.0), cluster.node(2, 4, last_call_timeout=3.0)
+        stale_pending = stale.request("next")
+        eventually(lambda: stale.call("waiting") >= 1, AT_ONCE, "the sealer waits in round 0")
+        pending = [a.request("next"), c.request("next")]
+        eventually(lambda: os.path.exists(marker), AT_ONCE, "the sealer stopped in its seal")
+        stale._stopped = True  # (stopped by itself: resumed at teardown if the test fails)
+        with open(marker) as listed:
+            assert listed.read() == "3", "the stale sealer listed itself, a and c"
+        try:
+            first = [p.result(AT_ONCE + 30) for p in pending]  # past the ttl, without it
+            check_round(first, 2)
+        finally:
+            open(marker + ".go", "w").close()
+            stale.resume()
+        # The stale node either joins again as a new node (a and c see it waiting for round
+        # 1), or, where its store cannot give it a new session (FileStore), fails clearly.
+        try:
+            eventually(lambda: stale_pending.done() or a.call("waiting") >= 1, AT_ONCE,
+                       "the stale node's outcome")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (its process state: {process_state(stale.pid)})")
+        store, keys = cluster.raw_store(), RunKeys("job")
+        round0 = {"status": store.try_get(keys.status(0)), "ranks": store.list_keys(
+            keys.round(0) + "rank/")}  # (read before a and c delete their rank records)
+        status = decode_status(keys.status(0), round0["status"])
+        assert status is not True and status is not None
+        assert status.world_size == 2, f"round 0's status was rewritten: {round0['status']!r}"
+        records = [decode_rank(key, raw) for key, raw in round0["ranks"].items()]
+        assert all(decision == status for _, decision in records), (
+            f"round 0's keys mix two decisions: {round0}")
+        assert sorted(rank for rank, _ in records) == [0, 1]
+        if stale_pending.done():
+            with pytest.raises(NodeError) as info:
+                stale_pending.result()
+            assert info.value.type_name == "SessionExpiredError", info.value
+            assert "expired" in str(info.value)
+            return
+        assert a.call("wait_change", AT_ONCE) is True
+        assert c.call("wait_change", AT_ONCE) is True
+        check_round(form([a, c]) + [stale_pending.result(AT_ONCE)], 3)
 
     # -- closing and leaving --------------------------------------------------------------------
     def test_set_closed_is_seen_by_members_and_waiters(self, cluster):

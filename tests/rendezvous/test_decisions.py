@@ -8,6 +8,8 @@ from rdzv.rendezvous._decisions import (
     Action,
     RoundRules,
     RoundView,
+    Verdict,
+    check_rank,
     decide,
     is_spare,
     join_deadline,
@@ -15,7 +17,7 @@ from rdzv.rendezvous._decisions import (
     nodes_waiting,
     plan_ranks,
 )
-from rdzv.rendezvous._layout import NodeDescriptor
+from rdzv.rendezvous._layout import Decision, NodeDescriptor
 
 RULES = RoundRules(min_nodes=2, max_nodes=4, last_call_timeout=10.0)
 DEADLINE = 600.0
@@ -166,3 +168,28 @@ def test_a_spare_waits_without_a_deadline(name, observed, spare):
     assert deadline == (DEADLINE + 5 + DEADLINE if spare else DEADLINE), name
     if spare:  # past the join timeout all the same: it keeps waiting
         assert decide(observed, RULES, DEADLINE + 5, deadline, None).action is Action.WAIT
+
+
+REAL = Decision(2, "10.0.0.1", 29500, "a1b2c3d4e5f60718")
+STALE = Decision(3, "10.0.0.9", 29501, "ffffeeeeddddcccc")
+
+
+@pytest.mark.parametrize(
+    "name, record, status, verdict",
+    [
+        ("the record is the round's decision", REAL, REAL, Verdict.ACCEPT),
+        ("a stale sealer's record, the real status: late", STALE, REAL, Verdict.LATE),
+        ("the real record, a stale status over it: late", REAL, STALE, Verdict.LATE),
+        ("same size and address, another seal: late", Decision(2, "10.0.0.1", 29500, "0" * 16),
+         REAL, Verdict.LATE),
+        ("records of rdzv before fencing (no seal) match their status", Decision(2, "h", 1),
+         Decision(2, "h", 1), Verdict.ACCEPT),
+        ("no record, sealed: late", None, REAL, Verdict.LATE),
+        ("a record, no status yet: the decision is being written", REAL, None, Verdict.UNSEALED),
+        ("no record, no status: not sealed", None, None, Verdict.UNSEALED),
+        ("closed wins", REAL, True, Verdict.CLOSED),
+        ("closed, no record", None, True, Verdict.CLOSED),
+    ],
+)
+def test_check_rank(name, record, status, verdict):
+    assert check_rank(record, status) is verdict, name

@@ -264,8 +264,9 @@ def test_sealer_that_lost_its_lock_writes_nothing(etcd_server: LocalEtcd) -> Non
         assert old.compare_set(lock, b"", b"old", ephemeral=True) == b"old"
         new.client.call("lease/revoke", {"ID": old.session.id()})
         assert new.compare_set(lock, b"", b"new", ephemeral=True) == b"new"
-        with pytest.raises(SessionExpiredError, match="sealer lock.*lease ttl"):
-            old.multi_set(["rdzv/job/round/0/rank/0", status], [b"old-rank", b"old-decision"])
+        assert old.multi_set_if(  # the engine's fenced write of its decision
+            {lock: b"old", status: None}, ["rdzv/job/round/0/rank/0", status, lock],
+            [b"old-rank", b"old-decision", b""]) is False
         old.set(lock, b"", ephemeral=True)  # the old sealer's release
         assert new.try_get(lock) == b"new", "the lock is still the new sealer's"
         assert new.try_get(status) is None and new.try_get("rdzv/job/round/0/rank/0") is None

@@ -19,6 +19,7 @@ from rdzv.rendezvous._layout import (
     encode_decision,
     encode_node,
     encode_ranks,
+    seal_of,
     is_sealer_lock,
     parse_joiner_key,
 )
@@ -38,6 +39,21 @@ def test_round_trips():
     assert decode_rank(KEY, records["b"]) == (0, decision)
     quoted = Decision(2, 'host "x"\\', 1)  # the shared part is JSON-escaped like the rest
     assert decode_rank(KEY, encode_ranks({"a": 1}, quoted)["a"]) == (1, quoted)
+
+
+def test_a_decision_carries_its_seal_in_its_status_and_every_rank_record():
+    seal = seal_of("sealer:1:ab", {"a": 0, "b": 1}, "10.0.0.1", 29500)
+    decision = Decision(2, "10.0.0.1", 29500, seal)
+    assert decode_status(KEY, encode_decision(decision)) == decision
+    assert {decode_rank(KEY, raw)[1] for raw in encode_ranks({"a": 0, "b": 1}, decision).values()} \
+        == {decision}
+    # The seal tells two decisions apart even when they agree on size and address.
+    assert seal != seal_of("other:2:cd", {"a": 0, "b": 1}, "10.0.0.1", 29500)
+    assert seal != seal_of("sealer:1:ab", {"a": 1, "b": 0}, "10.0.0.1", 29500)
+    assert seal == seal_of("sealer:1:ab", {"b": 1, "a": 0}, "10.0.0.1", 29500)
+    # Records written before fencing (no seal) still read, with an empty seal.
+    old = b'{"v":2,"t":"rank","rank":1,"world_size":2,"addr":"h","port":1}'
+    assert decode_rank(KEY, old) == (1, Decision(2, "h", 1, ""))
 
 
 @pytest.mark.parametrize(

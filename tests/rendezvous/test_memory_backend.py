@@ -7,9 +7,11 @@ import itertools
 import pytest
 
 from _nodes import ThreadNode
+from _waiting import eventually
 from rendezvous_contract import RendezvousContract
 
 from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
+from rdzv.rendezvous._layout import Decision, RunKeys, encode_decision, encode_ranks, seal_of
 from rdzv.rendezvous._memory import shared_store
 
 _endpoints = itertools.count()
@@ -46,3 +48,32 @@ class TestMemoryBackend(RendezvousContract):
         cluster = MemoryCluster()
         yield cluster
         cluster.close()
+
+
+def test_a_rank_record_of_another_decision_than_the_status_is_never_taken():
+    """Where a store cannot fence the seal, a stale sealer's write may leave a joiner a rank
+    record of another decision than the round's status. The joiner does not take that rank
+    (it would train in a group that does not exist): it is late for the round and forms the
+    next one with the others."""
+    endpoint = f"memory-test-{next(_endpoints)}"
+    params = RendezvousParameters("memory", endpoint, "job", 2, 2, join_timeout=60.0)
+    joiner = ThreadNode(get_rendezvous_handler(params))
+    store, keys = shared_store(endpoint).client(), RunKeys("job")
+    try:
+        pending = joiner.request("next")
+        eventually(lambda: store.count_keys(keys.nodes(0)) == 1, 30, "the joiner waits")
+        me = joiner.handler.node_id
+        stale = Decision(2, "10.0.0.9", 1, seal_of("stale", {me: 1, "z": 0}, "10.0.0.9", 1))
+        real = Decision(2, "10.0.0.1", 2, seal_of("real", {"x": 0, "y": 1}, "10.0.0.1", 2))
+        store.set(keys.rank(0, me), encode_ranks({me: 1}, stale)[me])
+        store.multi_set([keys.status(0), keys.sealed], [encode_decision(real), b"0"])
+        eventually(lambda: store.count_keys(keys.nodes(1)) == 1, 30, "the joiner is in round 1")
+        assert not pending.done(), "the joiner took a rank of round 0"
+        other = ThreadNode(get_rendezvous_handler(params))
+        other_pending = other.request("next")
+        results = [pending.result(30), other_pending.result(30)]
+        assert sorted(r["rank"] for r in results) == [0, 1]
+        assert {r["world_size"] for r in results} == {2}
+        assert "10.0.0.9" not in {r["addr"] for r in results}
+    finally:
+        store.close()

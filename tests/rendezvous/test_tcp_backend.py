@@ -19,6 +19,7 @@ from rendezvous_contract import AT_ONCE, RendezvousContract, check_round, form
 
 from rdzv.rendezvous import get_rendezvous_handler
 from rdzv.server import StoreServer
+from rdzv.server import protocol as P
 from rdzv.store._tcp import TCPStore
 
 SERVER_SCRIPT = (
@@ -164,3 +165,21 @@ def test_a_call_retried_after_losing_the_store_joins_with_its_keys_kept(tmp_path
         if server.poll() is None:
             server.kill()
             server.wait(timeout=30)
+
+
+def test_a_store_server_without_conditional_writes_still_forms_rounds(server):
+    """A store server of an rdzv version before fencing answers MULTI_SET_IF "unknown opcode":
+    the sealer falls back to the unfenced write of its decision (with a warning), checks it
+    against the status it reads back, and the round forms as before."""
+    core = server._core
+    core.handlers[P.OP_MULTI_SET_IF] = core._op_unknown  # as the previous version's table
+    cluster = ProcessCluster("tcp", f"127.0.0.1:{server.port}", raw_store=lambda: TCPStore(
+        "127.0.0.1", server.port, timeout=30), hung_options=None, is_host=False)
+    try:
+        nodes = [cluster.node(3, 3) for _ in range(3)]
+        check_round(form(nodes), 3)
+        store = cluster.raw_store()
+        assert store.try_get("rdzv/job/round/0/sealer") == b""  # released
+        assert all(n.call("wait_change", 0.2) is False for n in nodes)
+    finally:
+        cluster.close()

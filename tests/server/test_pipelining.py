@@ -9,7 +9,7 @@ import time
 import pytest
 from _raw import Raw, start_server_process
 
-from rdzv.errors import SessionExpiredError, StoreValueError
+from rdzv.errors import SessionExpiredError, StoreUnsupportedError, StoreValueError
 from rdzv.server import StoreServer
 from rdzv.server import protocol as P
 from rdzv.store import TCPStore
@@ -135,7 +135,10 @@ def test_sigkilled_durable_server_with_pipelined_sets_outstanding(tmp_path: obje
         server.wait()
 
 
-def test_unacknowledged_sets_are_resent_even_when_the_session_was_lost() -> None:
+def test_unacknowledged_writes_of_an_expired_session_are_not_resent_but_named() -> None:
+    """The session expired with a write unconfirmed: the expired session may or may not have
+    applied it, and applied in the new one it could undo what others did meanwhile (a stale
+    rendezvous decision), so it is not sent again; the error names it (docs/protocol.md)."""
     first = StoreServer("127.0.0.1", 0).start()
     port = first.port
     second = None
@@ -144,13 +147,20 @@ def test_unacknowledged_sets_are_resent_even_when_the_session_was_lost() -> None
         store.set("mine", "1", ephemeral=True)
         store.flush()
         first.stop()  # an in-memory server: its data and sessions are gone
-        store.set("after", "2")  # sent into the void (or failing to send): kept to resend
+        with store.batch():  # sent into the void (or failing to send)
+            store.set("after", "2")
+            store.multi_set(["m1", "m2"], ["3", "4"])
         second = StoreServer("127.0.0.1", port).start()
-        with pytest.raises(SessionExpiredError, match="ephemeral keys"):
+        with pytest.raises(SessionExpiredError, match=(
+            r"ephemeral keys with it; 2 write\(s\) sent in it were not confirmed and are not "
+            r"sent again \(each may or may not have been applied\): set\('after'\), "
+            r"multi_set\('m1'\)"
+        )):
             store.get("after")
-        assert store.get("after") == b"2"
-        assert store.revision("") == 1  # resent once, applied once
-        assert store.try_get("mine") is None
+        assert store.try_get("after") is None and store.try_get("m1") is None
+        assert store.revision("") == 0  # nothing of the expired session was applied
+        store.set("after", "again")  # the new session's writes go on as usual
+        assert store.get("after") == b"again"
     finally:
         store.close()
         first.stop()
@@ -158,9 +168,44 @@ def test_unacknowledged_sets_are_resent_even_when_the_session_was_lost() -> None
             second.stop()
 
 
-def test_writes_resent_to_a_restarted_durable_server_are_applied_once(tmp_path: object) -> None:
+def test_a_conditional_write_in_flight_when_its_session_expired_is_resent_and_fenced() -> None:
+    """A conditional write may be sent again in the new session: its condition on an ephemeral
+    key of the expired session (a lock) now fails, so it writes nothing."""
+    first = StoreServer("127.0.0.1", 0).start()
+    port = first.port
+    second = None
+    store = TCPStore("127.0.0.1", port, timeout=30)
+    try:
+        assert store.compare_set("lock", "", "me", ephemeral=True) == b"me"
+        first.stop()
+        second = StoreServer("127.0.0.1", port).start()
+        store._had_ephemeral = False  # as a client that never held an ephemeral key
+        assert store.multi_set_if({"lock": "me"}, ["decision"], ["stale"]) is False
+        assert store.try_get("decision") is None
+    finally:
+        store.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+LAST_WRITES = {
+    "add": (P.encode_add(21, b"n", 5), b"5",
+            lambda raw: raw.call(P.encode_add(22, b"n", 5)) == (P.STATUS_OK, 22, b"10")),
+    # (checked again, a conditional write's own effect would make it fail)
+    "multi_set_if": (P.encode_multi_set_if(21, [(b"status", None)], [b"status"], [b"s"]), P.TRUE,
+                     lambda raw: raw.call(P.encode_get(22, b"status", False))
+                     == (P.STATUS_OK, 22, P.FOUND + b"s")),
+}
+
+
+@pytest.mark.parametrize("last", sorted(LAST_WRITES))
+def test_writes_resent_to_a_restarted_durable_server_are_applied_once(
+    tmp_path: object, last: str
+) -> None:
     """Pipelined writes logged by a server that is then SIGKILLed, resent by their client on
     its resumed session after the restart: answered as before, not applied again."""
+    last_frame, last_answer, applied_once = LAST_WRITES[last]
     data_dir = os.path.join(str(tmp_path), "data")
     server, port = start_server_process("--data-dir", data_dir, "--fsync", "never")
     raw = again = None
@@ -168,9 +213,9 @@ def test_writes_resent_to_a_restarted_durable_server_are_applied_once(tmp_path: 
         raw = Raw(port)
         raw.handshake(ttl=30)
         in_flight = b"".join(P.encode_set(rid, b"s/%d" % rid, b"v", quiet=True) for rid in range(1, 21))
-        in_flight += P.encode_add(21, b"n", 5)
+        in_flight += last_frame
         raw.send(in_flight)
-        assert P.decode_response(raw.frame()) == (P.STATUS_OK, 21, b"5")  # all of it is logged
+        assert P.decode_response(raw.frame()) == (P.STATUS_OK, 21, last_answer)  # all logged
         server.kill()  # SIGKILL: the client never learns which of its writes were applied
         server.wait()
         server, _ = start_server_process("--data-dir", data_dir, "--fsync", "never", port=port)
@@ -179,8 +224,8 @@ def test_writes_resent_to_a_restarted_durable_server_are_applied_once(tmp_path: 
         again.send(in_flight)  # the client resends every write it has no answer to
         answers = [P.decode_response(again.frame()) for _ in range(21)]
         assert answers[:20] == [(P.STATUS_OK, rid, b"") for rid in range(1, 21)]
-        assert answers[20] == (P.STATUS_OK, 21, b"5")  # the add's own answer, not applied again
-        assert again.call(P.encode_add(22, b"n", 5)) == (P.STATUS_OK, 22, b"10")
+        assert answers[20] == (P.STATUS_OK, 21, last_answer)  # its own answer, not applied again
+        assert applied_once(again)
         assert again.call(P.encode_count_keys(23, b"s/")) == (P.STATUS_OK, 23, P.U64.pack(20))
     finally:
         for each in (raw, again):
@@ -244,10 +289,11 @@ def test_a_batch_holds_only_its_own_threads_writes(server: StoreServer) -> None:
         assert reader.get("held/x") == b"1"
 
 
-def test_unanswered_ephemeral_sets_are_not_resent_into_a_new_session() -> None:
+def test_unanswered_sets_are_not_resent_into_a_new_session() -> None:
     """A server restarted without its data knows nothing of the client's session: the client's
-    unanswered ephemeral SETs belong to the dead session and are not recreated in the new one
-    (the plain ones are resent); the client learns of it through SessionExpiredError."""
+    unanswered SETs belong to the dead session and are not applied in the new one (an
+    ephemeral key would outlive its session, a plain one may undo what others did since); the
+    client learns of it through SessionExpiredError, which names them."""
     server, port = start_server_process()
     try:
         with client(port) as store, client(port) as reader:
@@ -256,14 +302,37 @@ def test_unanswered_ephemeral_sets_are_not_resent_into_a_new_session() -> None:
             server.kill()
             server.wait()
             server, _ = start_server_process(port=port)
-            with pytest.raises(SessionExpiredError):
-                # Written to the dead server's connection (no answer), then resent.
+            with pytest.raises(SessionExpiredError, match=r"set\('gone/plain'\)"):
+                # Written to the dead server's connection (no answer), not sent again.
                 store.set("gone/ephemeral", "x", ephemeral=True)
                 store.set("gone/plain", "y")
                 store.ping()
-            assert reader.try_get("gone/plain") == b"y"
+            assert reader.try_get("gone/plain") is None
             assert reader.try_get("gone/ephemeral") is None
             assert reader.try_get("alive") is None
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_server_without_conditional_writes_is_a_clear_error_then_a_capability() -> None:
+    """A server of an rdzv version before MULTI_SET_IF answers it "unknown opcode" (as any
+    unknown op, the connection stays): the client raises StoreUnsupportedError saying so, and
+    from then on declares conditional=False (the rendezvous then seals unfenced)."""
+    server = StoreServer("127.0.0.1", 0).start()
+    core = server._core
+    assert core is not None
+    core.handlers[P.OP_MULTI_SET_IF] = core._op_unknown  # as the previous version's table
+    store = TCPStore("127.0.0.1", server.port, timeout=30)
+    try:
+        assert store.capabilities.conditional
+        with pytest.raises(StoreUnsupportedError, match="predates conditional writes"):
+            store.multi_set_if({"lock": None}, ["k"], ["v"])
+        assert not store.capabilities.conditional and TCPStore.capabilities.conditional
+        with pytest.raises(StoreUnsupportedError):  # at once, without asking again
+            store.multi_set_if({"lock": None}, ["k"], ["v"])
+        store.set("after", "1")  # the connection carries on
+        assert store.get("after") == b"1" and store.try_get("k") is None
+    finally:
+        store.close()
+        server.stop()

@@ -31,6 +31,10 @@ REQUESTS = [
     (P.encode_watch(18, b"d/", 2**64 - 1, 5000), P.OP_WATCH, ("d/", 2**64 - 1, 5000)),
     (P.encode_close_session(19), P.OP_CLOSE_SESSION, ()),
     (P.encode_watch_get(20, b"d/", 7, 0, "d/ü".encode()), P.OP_WATCH_GET, ("d/", "d/ü", 7, 0)),
+    (P.encode_multi_set_if(21, [(b"lock", b"me"), (b"st", None), (b"e", b"")], [b"x"], [b"1"]),
+     P.OP_MULTI_SET_IF, ({"lock": b"me", "st": None, "e": b""}, ["x"], [b"1"])),
+    (P.encode_multi_set_if(22, [(b"lock", b"me")], [], []), P.OP_MULTI_SET_IF,
+     ({"lock": b"me"}, [], [])),
 ]
 
 
@@ -115,6 +119,9 @@ def test_nan_ttl_is_refused() -> None:
         (struct.pack("<BI", P.OP_CHECK, 1) + struct.pack("<I", 10**9), "does not fit"),
         (struct.pack("<BI", P.OP_DELETE, 1) + b"\xff\xfe", "UTF-8"),
         (b"\x02", "shorter than its header"),
+        (struct.pack("<BII", P.OP_MULTI_SET_IF, 1, 0) + struct.pack("<I", 0), "without a condition"),
+        (struct.pack("<BII", P.OP_MULTI_SET_IF, 1, 10**9), "does not fit"),
+        (P.encode_multi_set_if(1, [(b"k", b"v")], [b"x"], [b"1"])[4:-1], "past the end"),
     ],
 )
 def test_malformed_requests_name_the_problem(body: bytes, message: str) -> None:
@@ -160,6 +167,28 @@ def test_fuzzed_responses_raise_only_protocol_errors() -> None:
                 decode(bytes(data))
             except P.ProtocolError:
                 pass
+
+
+@pytest.mark.parametrize(
+    "frame, resendable",
+    [
+        (P.encode_get(1, b"k", False), True),
+        (P.encode_watch(1, b"d/", 0, 5), True),
+        (P.encode_ping(1), True),
+        (P.encode_multi_set_if(1, [(b"lock", b"me")], [b"k"], [b"v"]), True),
+        (P.encode_set(1, b"k", b"v", quiet=True), False),
+        (P.encode_set(1, b"k", b"v", ephemeral=True), False),
+        (P.encode_multi_set(1, [b"k"], [b"v"]), False),
+        (P.encode_add(1, b"n", 1), False),
+        (P.encode_append(1, b"k", b"v"), False),
+        (P.encode_compare_set(1, b"k", b"", b"v"), False),
+        (P.encode_delete(1, b"k"), False),
+    ],
+    ids=lambda v: P.OP_NAMES[v[4]] if isinstance(v, bytes) else str(v),
+)
+def test_what_may_be_resent_after_the_session_expired(frame: bytes, resendable: bool) -> None:
+    """The resend rule as a table: reads and conditional writes only (docs/protocol.md)."""
+    assert P.resendable_after_expiry(frame) is resendable
 
 
 def test_wait_ms_rounds_up_and_clamps() -> None:

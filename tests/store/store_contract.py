@@ -28,7 +28,7 @@ import pytest
 
 from _peers import PeerError, ProcessPeer, ThreadPeer
 
-from rdzv.errors import QueueEmptyError, StoreTimeoutError, StoreValueError
+from rdzv.errors import QueueEmptyError, StoreTimeoutError, StoreUnsupportedError, StoreValueError
 from rdzv.store import PrefixStore, Store, StoreCapabilities
 from _waiting import eventually
 
@@ -254,6 +254,80 @@ class StoreContract:
         winner = store.get("leader")
         assert all(result == winner for result in results)
         assert winner in {f"peer{n}".encode() for n in range(4)}
+
+    # -- multi_set_if (capability conditional) -------------------------------------------------
+    def test_multi_set_if_writes_all_only_while_every_condition_holds(
+        self, store: Store, client: Store
+    ) -> None:
+        self.require(store, "conditional")
+        store.set("lock", "me")
+        store.set("empty", b"")
+        since = client.revision("d/")
+        assert store.multi_set_if({"lock": "me", "status": None}, ["d/a", "d/b"], ["1", b"2"])
+        assert client.multi_get(["d/a", "d/b"]) == [b"1", b"2"]
+        assert client.watch("d/", since, SHORT) > since  # woken like any write
+        refused = [
+            {"lock": "other"},  # another value
+            {"lock": "me", "d/a": None},  # a key that must be missing is there
+            {"missing": b""},  # an empty value is not a missing key...
+            {"empty": None},  # ...nor the other way round
+            {"lock": "me", "missing": "x"},  # one condition of two fails
+        ]
+        for conditions in refused:
+            assert store.multi_set_if(conditions, ["d/a", "d/c"], ["x", "y"]) is False, conditions
+        assert client.multi_get(["d/a", "d/b"]) == [b"1", b"2"]
+        assert client.try_get("d/c") is None
+        assert store.multi_set_if({"empty": b"", "missing": None}, ["d/c"], ["z"]) is True
+        assert store.multi_set_if({"lock": "me"}, [], []) is True  # a condition alone: a check
+        assert client.try_get("d/c") == b"z"
+
+    def test_multi_set_if_is_fenced_by_the_lock_of_a_closed_client(
+        self, store: Store, store_factory: Any
+    ) -> None:
+        self.require(store, "conditional")
+        self.require(store, "ephemeral")
+        holder = store_factory.new_client()
+        assert holder.compare_set("lock", "", "holder", ephemeral=True) == b"holder"
+        assert holder.multi_set_if({"lock": "holder"}, ["decision"], ["first"])
+        owner(holder).close()  # its session ends, and its lock with it
+        assert store.compare_set("lock", "", "newer", ephemeral=True) == b"newer"
+        assert store.multi_set_if({"lock": "holder"}, ["decision"], ["stale"]) is False
+        assert store.get("decision") == b"first"
+
+    def test_multi_set_if_has_one_winner(self, store: Store, spawn: Callable[[], Any]) -> None:
+        self.require(store, "conditional")
+        peers = [spawn() for _ in range(4)]
+        for peer in peers:
+            peer.wait_ready()
+        for number, peer in enumerate(peers):
+            peer.request("multi_set_if", {"slot": None}, ["slot", f"by/{number}"], ["taken", "1"])
+        results = [peer.reply() for peer in peers]
+        assert results.count(True) == 1 and results.count(False) == 3
+        assert store.list_keys("by/") == {f"by/{results.index(True)}": b"1"}
+
+    def test_multi_set_if_bad_arguments(self, store: Store) -> None:
+        if not store.capabilities.conditional:
+            with pytest.raises(StoreUnsupportedError, match="conditional"):
+                store.multi_set_if({"a": "1"}, ["b"], ["2"])
+            return
+        with pytest.raises(StoreValueError, match="2 keys but 1 values"):
+            store.multi_set_if({"a": None}, ["b", "c"], ["1"])
+        with pytest.raises(StoreValueError, match="at least one condition"):
+            store.multi_set_if({}, ["b"], ["1"])
+        with pytest.raises(ValueError):
+            store.multi_set_if({"": None}, ["b"], ["1"])
+        with pytest.raises(TypeError):
+            store.multi_set_if({"a": None}, ["b"], [1])  # type: ignore[list-item]
+        assert store.try_get("b") is None
+
+    def test_prefix_store_multi_set_if_prefixes_conditions_and_keys(self, store: Store) -> None:
+        self.require(store, "conditional")
+        view = PrefixStore("job", store)
+        store.set("lock", "outside")
+        assert view.multi_set_if({"lock": "outside"}, ["k"], ["v"]) is False  # job/lock
+        view.set("lock", "inside")
+        assert view.multi_set_if({"lock": "inside"}, ["k"], ["v"]) is True
+        assert store.get("job/k") == b"v" and store.try_get("k") is None
 
     # -- wait / check -----------------------------------------------------------------------
     def test_wait(self, store: Store, client: Store) -> None:

@@ -21,7 +21,7 @@ from test_hash_contract import HashStoreFactory  # noqa: E402
 from test_tcp_contract import TCPStoreFactory  # noqa: E402
 
 from rdzv.store import Store  # noqa: E402
-from rdzv.store._base import Timeout, Value, check_key, to_bytes, to_seconds  # noqa: E402
+from rdzv.store._base import Conditions, Timeout, Value, check_key, to_bytes, to_seconds  # noqa: E402
 from rdzv.torch import TorchStore  # noqa: E402
 
 PREFIX = "tenant"
@@ -102,6 +102,11 @@ class C10dView(Store):
 
     def try_get(self, key: str) -> bytes | None:
         return self.adapter.try_get(self._k(key))
+
+    def multi_set_if(self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]) -> bool:
+        return self.adapter.multi_set_if(
+            {self._k(k): v for k, v in conditions.items()}, [self._k(k) for k in keys], values
+        )
 
     def list_keys(self, prefix: str) -> dict[str, bytes]:
         cut = len(PREFIX) + 1

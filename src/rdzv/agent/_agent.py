@@ -37,6 +37,7 @@ from ._errors import WorkerFailure, failure_summary, read_error_file
 from ._changes import Mode
 from .._channel import ENV_CHANNEL, ENV_JOIN
 from ._grouprun import PROGRESS_INTERVAL, Action, GroupRun, Outcome, Signalled
+from ._history import MAX_FAILURES, failure_fields, record
 from ._round import Assignment, assign, mark_done, wait_until_others_left
 from ._transition import (
     ASSIGN_TIMEOUT,
@@ -115,6 +116,8 @@ class ElasticAgent:
         self._link: WorkerLink | None = None
         self._failures_before: list[WorkerFailure] = []
         """The failures that led to the round being joined now (empty after a re-form)."""
+        self._paused: tuple[float, str] | None = None
+        """Since when this node's training is paused (its workers stopped), and why."""
 
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -192,6 +195,7 @@ class ElasticAgent:
                 self.say(f"cannot start the workers: {exc}")
                 self._give_up(info)
                 return 1
+            self._record_started(assignment, joining)
             if joining:
                 ctx, generation = self.switch_context(), self.generation
                 start_on_thread(lambda: newcomer_transition(ctx, info, assignment, generation),
@@ -234,7 +238,7 @@ class ElasticAgent:
         action = outcome.action
         if action is Action.SUCCEED:
             group.stop(timeout=config.stop_timeout)
-            self._close()
+            self._close("workers_succeeded")
             try:
                 wait_until_others_left(info, LEAVE_TIMEOUT)
             except RendezvousError as exc:
@@ -251,6 +255,10 @@ class ElasticAgent:
             group.stop(outcome.signum, config.stop_timeout)
             return 128 + outcome.signum
         failures = self._failures(group)
+        self._paused = (min([f.time for f in failures] + [time.time()]),
+                        "worker_failed" if action is not Action.REFORM else "membership_change")
+        for failure in failures[:MAX_FAILURES]:
+            record(self.handler, "worker_failed", **failure_fields(failure))
         group.stop(timeout=config.stop_timeout)
         self.link.disconnect()
         if action is Action.FAIL:
@@ -267,6 +275,8 @@ class ElasticAgent:
                    else "a worker failed")
             self.say(f"{why}; restarting the workers (restart {self.restarts} of "
                      f"{config.max_restarts})")
+            record(self.handler, "workers_restarted", restarts=self.restarts,
+                   max_restarts=config.max_restarts)
         return None
     def _rendezvous(self) -> RendezvousInfo | int:
         """Join the next round, reacting to signals meanwhile: the round or an exit code."""
@@ -391,13 +401,27 @@ class ElasticAgent:
     def _give_up(self, info: RendezvousInfo) -> None:
         """Close the rendezvous; count this node as finished so nobody waits for it."""
         self.mark_done(info)
-        self._close()
+        self._close("workers_failed")
 
-    def _close(self) -> None:
+    def _close(self, reason: str) -> None:
         try:
             self.handler.set_closed()
         except RendezvousError as exc:
             self.say(f"could not close the rendezvous: {exc}")
+            return
+        if getattr(self.handler, "closed_here", True):  # one node says so: the one that closed it
+            record(self.handler, "run_closed", reason=reason)
+
+    def _record_started(self, assignment: Assignment, joining: bool) -> None:
+        """The history: the workers started, and how long training had paused before."""
+        record(self.handler, "workers_started", nproc=self.config.nproc_per_node,
+               group_rank=assignment.group_rank, world_size=assignment.world_size,
+               restarts=self.restarts, joining=joining or None)
+        if self._paused is not None:
+            since, cause = self._paused
+            self._paused = None
+            record(self.handler, "training_paused", pause_s=round(time.time() - since, 6),
+                   cause=cause)
 
     def _shutdown_handler(self) -> None:
         try:

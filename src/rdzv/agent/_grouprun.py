@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousInfo
 from ._changes import Change, Mode, classify_change
+from ._history import heartbeat_every, record, report_losses, session_ttl
 from ._round import (
     ALIVE_DIR,
     CAPABLE_DIR,
@@ -193,6 +194,8 @@ class GroupRun:
             self._say_capable()
         elif isinstance(event, WorkersBroken):
             if not self.transition and self._leaving is None and self._recoverable():
+                report_losses(self.agent.handler, self.info,
+                              session_ttl(self.agent.config.rdzv_conf))
                 self._start_recovery("a worker's process group failed (a peer is gone)")
         elif isinstance(event, TransitionDone):
             return self._on_transition_done(event)
@@ -263,6 +266,8 @@ class GroupRun:
             except RendezvousError as exc:  # cannot tell what changed: as for a loss
                 logger.warning("cannot read the membership change: %s", exc)
                 waiting, leaving, alive = 0, 0, 0
+            if 0 < alive < self.info.world_size:
+                report_losses(handler, self.info, session_ttl(agent.config.rdzv_conf))
             change = classify_change(self.info.world_size, alive, leaving, waiting)
             if change is Change.PLANNED:
                 self._start_transition(waiting, leaving)
@@ -308,7 +313,8 @@ class GroupRun:
                       f"{done.error}); re-forming")
             return Outcome(Action.REFORM)
         if done.mode is Mode.IN_PROCESS and done.info is not None and done.assignment:
-            if done.info is not self.info:  # a member switched (a newcomer joined: same round)
+            newcomer = done.info is self.info  # a newcomer joined a running group: same round
+            if not newcomer:  # a member switched (a newcomer joined: same round)
                 self._unwatch()
                 agent.adopt(self.group, done.assignment)
                 self.info, self.assignment = done.info, done.assignment
@@ -319,6 +325,10 @@ class GroupRun:
             else:
                 agent.say(f"the workers joined the running group in {done.pause_ms or 0:.0f} ms "
                           f"at its step {done.switch_step}")
+            record(agent.handler,
+                   "recovered_in_process" if done.recovery else "switched_in_process",
+                   step=done.switch_step, newcomer=newcomer or None,
+                   pause_s=None if done.pause_ms is None else round(done.pause_ms / 1000, 6))
             agent.link.forget("switched", "broken", "missed", "failed")
             self._say_capable()
             return None
@@ -427,7 +437,8 @@ class GroupRun:
         info = self.info
         self._watcher = MembershipWatcher(self.agent.handler, self.agent.events, self.generation,
                                           self.agent.config.monitor_interval,
-                                          lambda: mark_alive(info))
+                                          lambda: mark_alive(info),
+                                          heartbeat_every(session_ttl(self.agent.config.rdzv_conf)))
         self._watcher.start()
 
     def _unwatch(self) -> None:

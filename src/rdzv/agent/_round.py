@@ -49,6 +49,9 @@ they switch in-process, or that the workers restart; written into the round's st
 rank 0 of the next round."""
 JOIN_KEY = "agent/join"
 """The same decision in the new round's store, for its newcomers."""
+SEEN_DIR = "agent/seen/"
+"""The same sign of life as ``ALIVE_DIR`` but lasting: when a node's alive entry vanishes, how
+long it had been silent tells a lost connection from missed heartbeats (the history)."""
 HEARTBEAT_EVERY = 5.0
 """Seconds between refreshes of a node's ``ALIVE_DIR`` entry while its workers run."""
 
@@ -133,7 +136,8 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
     store.set_timeout(timeout)
     rank, size = info.rank, info.world_size
     entry = {"nproc": nproc, "role": role, "host": host, "pid": os.getpid(), "time": time.time(),
-             "join_s": round(join_seconds, 6), "max_nodes": max_nodes}
+             "join_s": round(join_seconds, 6), "max_nodes": max_nodes,
+             "node_id": getattr(handler, "node_id", None)}
     store.set(f"{NODE_KEY}{rank}", json.dumps(entry))
     store.delete_key(f"{DONE_DIR}{rank}")  # a static node restarted after it had finished
     mark_alive(info)
@@ -168,8 +172,12 @@ def assign(info: RendezvousInfo, handler: RendezvousHandler, nproc: int, role: s
 
 
 def mark_alive(info: RendezvousInfo) -> None:
-    """Write this node's sign of life (the time now); gone when its store session ends."""
-    info.store.set(f"{ALIVE_DIR}{info.rank}", json.dumps({"time": time.time()}), ephemeral=True)
+    """Write this node's sign of life (the time now); gone when its store session ends (its
+    lasting copy, ``SEEN_DIR``, stays: one message with the alive entry)."""
+    stamp = json.dumps({"time": time.time()})
+    with info.store.batch():
+        info.store.set(f"{ALIVE_DIR}{info.rank}", stamp, ephemeral=True)
+        info.store.set(f"{SEEN_DIR}{info.rank}", stamp)
 
 
 def mark_done(info: RendezvousInfo) -> None:
@@ -216,9 +224,11 @@ class MembershipWatcher:
 
     def __init__(self, handler: RendezvousHandler, events: "queue.SimpleQueue[Any]",
                  generation: int, wait_slice: float,
-                 heartbeat: Callable[[], None] | None = None) -> None:
+                 heartbeat: Callable[[], None] | None = None,
+                 heartbeat_every: float = HEARTBEAT_EVERY) -> None:
         self._handler = handler
         self._heartbeat = heartbeat
+        self._heartbeat_every = heartbeat_every
         self._last_beat = time.monotonic()
         self._events = events
         self._generation = generation
@@ -247,7 +257,7 @@ class MembershipWatcher:
                     self._events.put(done[1])
                     return
                 if self._heartbeat is not None and (
-                    time.monotonic() - self._last_beat >= HEARTBEAT_EVERY
+                    time.monotonic() - self._last_beat >= self._heartbeat_every
                 ):
                     self._last_beat = time.monotonic()
                     self._heartbeat()

@@ -1,4 +1,5 @@
-"""``rdzv status``: a run at a glance (round, members, liveness, waiting nodes), once or live."""
+"""``rdzv status``: a run at a glance (round, members, liveness, waiting nodes), once or live;
+with ``--events`` its history (a timeline or JSON lines), once or followed."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..rendezvous import RunEvent
+    from ..store import Store
 
 USAGE_ERROR = 2
+FOLLOW_POLL = 0.5
+"""Seconds between reads of the history with --follow (a write wakes the reader sooner)."""
+SETTLE = 0.5
+"""With --follow, events younger than this wait for the next read: one written a little late
+(a background writer, another host's clock) is not skipped."""
 
 
 def register(subparsers: Any) -> None:
@@ -34,6 +44,15 @@ def register(subparsers: Any) -> None:
                         help="with --watch: print at least this often (seconds)")
     parser.add_argument("--count", type=int, default=0,
                         help="with --watch: stop after this many reports (0: never)")
+    parser.add_argument("--events", action="store_true",
+                        help="print the run's history: a timeline of its rounds, joins, leaves, "
+                             "losses and worker failures (with --json: JSON lines)")
+    parser.add_argument("--since", default=None, metavar="WHEN",
+                        help="with --events: only events after WHEN, a duration back from now "
+                             "(10m, 90s, 2h) or a time (23:40, 2026-11-25T23:40:07)")
+    parser.add_argument("--follow", action="store_true",
+                        help="with --events: keep printing new events until the run closes "
+                             "(or Ctrl-C)")
     parser.set_defaults(func=status_command, log_level="WARNING")
 
 
@@ -68,6 +87,12 @@ def status_command(args: argparse.Namespace) -> int:
     if args.interval <= 0 or args.count < 0:
         print("rdzv status: error: --interval must be > 0 and --count >= 0", file=sys.stderr)
         return USAGE_ERROR
+    if (args.since is not None or args.follow) and not args.events:
+        print("rdzv status: error: --since and --follow go with --events", file=sys.stderr)
+        return USAGE_ERROR
+    if args.events and args.watch:
+        print("rdzv status: error: --events takes --follow, not --watch", file=sys.stderr)
+        return USAGE_ERROR
     try:
         params = _parameters(args)
     except ValueError as exc:
@@ -79,6 +104,8 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"rdzv status: cannot open the store of run {params.run_id!r} "
               f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
         return 1
+    if args.events:
+        return events_command(args, store, params.run_id)
     base = RunKeys(params.run_id).base
     reports = 0
     shown: dict[str, Any] | None = None
@@ -109,3 +136,66 @@ def status_command(args: argparse.Namespace) -> int:
         return 1
     finally:
         store.close()
+
+
+def events_command(args: argparse.Namespace, store: "Store", run_id: str) -> int:
+    """``--events``: print the history of ``run_id`` as a timeline or JSON lines, once or
+    followed (the store is closed by the caller)."""
+    from ..errors import RendezvousError
+    from ..rendezvous._history import events_dir, read_events
+    from ..rendezvous._layout import RunKeys
+    from ..rendezvous._timeline import parse_since
+
+    try:
+        since_time = parse_since(args.since, time.time()) if args.since is not None else None
+    except ValueError as exc:
+        print(f"rdzv status: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    keys = RunKeys(run_id)
+    reported: set[str] = set()
+    printed = 0
+    seen_closed = False
+    next_seq = int(since_time * 1e6) if since_time is not None else 0
+    try:
+        while True:
+            revision = store.revision(events_dir(keys)) if args.follow else 0
+            closed = args.follow and store.try_get(keys.closed) is not None
+            # Once the run is closed the last events are read whole: nothing settles later.
+            log = read_events(store, run_id, since_seq=next_seq,
+                              settle_s=SETTLE if args.follow and not closed else 0.0)
+            for message in log.corrupt:
+                if message not in reported:
+                    reported.add(message)
+                    print(f"rdzv status: skipped a corrupt event: {message}", file=sys.stderr)
+            for event in log.events:
+                if since_time is None or event.time >= since_time:
+                    _print(event, args.json)
+                    printed += 1
+            next_seq = log.next_seq
+            if not args.follow:
+                if printed == 0 and not args.json:
+                    print(f"run {run_id}: no events" + (" in that time" if args.since else ""))
+                return 0
+            if closed:
+                return 0
+            if store.try_get(keys.closed) is not None:
+                seen_closed = True
+                time.sleep(SETTLE)  # its last events (run_closed) are on their way
+                continue
+            if store.watch(events_dir(keys), revision, FOLLOW_POLL) > revision:
+                time.sleep(SETTLE)  # read what was written once it has settled
+    except KeyboardInterrupt:
+        return 0
+    except RendezvousError as exc:
+        if seen_closed:  # the run ended and its store went with it (a node served it)
+            print(f"rdzv status: the run's store went away after it closed ({exc})",
+                  file=sys.stderr)
+            return 0
+        print(f"rdzv status: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _print(event: "RunEvent", as_json: bool) -> None:
+    from ..rendezvous._timeline import format_event
+
+    print(json.dumps(event.to_json()) if as_json else format_event(event), flush=True)

@@ -21,6 +21,15 @@ from ._api import (
     RendezvousParameters,
     RendezvousStoreInfo,
 )
+from ._history import (
+    DEFAULT_HISTORY_SIZE,
+    EVENT_KINDS,
+    EventLog,
+    EventWriter,
+    RunEvent,
+    read_events,
+)
+from ._timeline import format_event
 from ._registry import (
     ENTRY_POINT_GROUP,
     RendezvousHandlerCreator,
@@ -32,7 +41,11 @@ from ._registry import (
 )
 
 __all__ = [
+    "DEFAULT_HISTORY_SIZE",
     "ENTRY_POINT_GROUP",
+    "EVENT_KINDS",
+    "EventLog",
+    "EventWriter",
     "RendezvousBackendError",
     "RendezvousClosedError",
     "RendezvousConnectionError",
@@ -47,8 +60,11 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
+    "RunEvent",
+    "format_event",
     "get_rendezvous_handler",
     "handler_registry",
     "parse_rendezvous_url",
+    "read_events",
     "rendezvous_url",
 ]

@@ -22,6 +22,12 @@ its node descriptors: nodes of one host get neighbouring ranks). With more than 
 joiners, previous members are chosen first, then newcomers in that order. A previous member keeps
 its rank if it is below the new world size; the free ranks are given, lowest first, to the other
 previous members in the order of their old ranks, then to the newcomers in their order.
+
+Accepting a rank (:func:`check_rank`): a node takes the rank its record gives only if the record
+belongs to the decision in the round's status (the same ``seal``). The sealer writes both in one
+fenced write, so they differ only if a sealer wrote without the lock (a store that cannot fence
+its writes): a record of another decision than the status's is not this round's, and the node
+is late for it; a record without a status yet means the decision is still being written.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping
 
-from ._layout import NodeDescriptor
+from ._layout import Decision, NodeDescriptor
 
 
 @dataclass(frozen=True)
@@ -177,3 +183,24 @@ def nodes_waiting(waiting: int, rejoined: int, world_size: int, max_nodes: int) 
     (members coming back, and newcomers while the round has room); spares do not count, as in
     torch's c10d backend, whose agent restarts its workers whenever the count is positive."""
     return rejoined + (waiting - rejoined if world_size < max_nodes else 0)
+
+
+class Verdict(enum.Enum):
+    ACCEPT = "accept"
+    """The record is the round's decision: take its rank."""
+    LATE = "late"
+    """No record, or one of another decision than the status's: not a member of this round."""
+    UNSEALED = "unsealed"
+    """No status yet: the decision is still being written; wait for it."""
+    CLOSED = "closed"
+    """The round's status says closed: the rendezvous is closed."""
+
+
+def check_rank(record: Decision | None, status: Decision | bool | None) -> Verdict:
+    """Whether a node may accept the rank ``record`` (its decision; None: no record) given
+    the round's ``status`` (a Decision, True if closed, None if absent)."""
+    if status is True:
+        return Verdict.CLOSED
+    if status is None or status is False:
+        return Verdict.UNSEALED
+    return Verdict.ACCEPT if record == status else Verdict.LATE

@@ -12,6 +12,7 @@ store's own bounded poll of the file (1 ms backing off to 50 ms).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -27,13 +28,17 @@ from ..errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
     SessionExpiredError,
+    StoreError,
+    StoreUnsupportedError,
 )
-from ..store import PrefixStore, Store
+from ..store import PrefixStore, Reads, Store
 from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 from ._decisions import (
     Action,
     RoundRules,
     RoundView,
+    Verdict,
+    check_rank,
     decide,
     is_spare,
     join_deadline,
@@ -41,6 +46,8 @@ from ._decisions import (
     nodes_waiting,
     plan_ranks,
 )
+from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent, encode_event, round_event_key
+from ._history_facts import encode_left_mark, round_event
 from ._layout import (
     CLOSED_STATUS,
     Decision,
@@ -53,9 +60,15 @@ from ._layout import (
     encode_decision,
     encode_node,
     encode_ranks,
+    seal_of,
 )
 
 logger = logging.getLogger(__name__)
+
+HISTORY_DEFER = 1.0
+"""Seconds a node waits for a round before its own deferred events (its arrival) are written:
+a round that forms sooner has no history write competing with it; they go once the node
+watches its round (``wait_for_membership_change``, ``num_nodes_waiting``) or shuts down."""
 
 @dataclass(frozen=True)
 class Membership:
@@ -119,6 +132,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             join_timeout=params.get_option("join_timeout"),
             last_call_timeout=params.get_option("last_call_timeout"),
             close_timeout=params.get_option("close_timeout"),
+            history_size=params.get_option("history_size"),
             on_shutdown=on_shutdown,
             query_store=query_store,
         )
@@ -135,6 +149,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         join_timeout: float = 600.0,
         last_call_timeout: float = 30.0,
         close_timeout: float = 30.0,
+        history_size: int = DEFAULT_HISTORY_SIZE,
         on_shutdown: Callable[[], None] | None = None,
         query_store: Callable[[], Store] | None = None,
     ) -> None:
@@ -170,6 +185,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()
         self._spare = False
         """This node waits as a spare (the running round is full), as last observed."""
+        self._history_size = history_size
+        self.history = EventWriter(self._side_store, run_id, tag=self._node_id,
+                                   limit=history_size)
+        """The run's history, written in the background (the agent records its events too)."""
+        self._left_marks: list[str] = []
+        """Leave marks the last seal consumed, deleted with the garbage."""
+        self.closed_here = False
+        """This node's :meth:`set_closed` closed the rendezvous (it was open until then)."""
 
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -187,7 +210,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def set_closed(self) -> None:
         keys, store = self._keys, self._query()
-        store.set(keys.closed, b"1")
+        me = self._node_id.encode()
+        self.closed_here = store.compare_set(keys.closed, b"", me) == me
         forming = self._latest_sealed(store) + 1
         for _ in range(100):  # a racing seal moves the forming round on; bounded anyway
             current = store.compare_set(keys.status(forming), b"", CLOSED_STATUS)
@@ -197,6 +221,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         logger.info("rendezvous %s closed by %s", keys.run_id, self._node_id)
 
     def num_nodes_waiting(self) -> int:
+        self.history.release()  # a monitoring call: this node's deferred events can go now
         store, member = self._query(), self._member
         if member is None:
             return store.count_keys(self._keys.nodes(self._latest_sealed(store) + 1))
@@ -208,6 +233,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def is_spare(self) -> bool:
         return self._spare
+
+    def record_event(self, kind: str, **fields: object) -> RunEvent | None:
+        """Record an event of this node in the run's history, in the background (never fails:
+        a store that refuses it loses the event, not the run). ``round`` defaults to this
+        node's last round."""
+        member = self._member
+        fields.setdefault("round", member.round if member is not None else None)
+        return self.history.record(kind, node=self._node_id, **fields)  # type: ignore[arg-type]
+
+    def report_left(self, reasons: dict[str, str]) -> None:
+        """Say why members (node id -> leave reason) of this node's round are not coming back,
+        for the next round's ``round_formed`` event; a store error is logged, not raised."""
+        member = self._member
+        if member is None or not reasons or self._history_size <= 0:
+            return
+        try:
+            with self._store.batch():
+                for node_id, reason in reasons.items():
+                    self._store.set(self._keys.left(member.round + 1, node_id),
+                                    encode_left_mark(reason))
+        except RendezvousError as exc:
+            logger.warning("rendezvous %s: cannot record why %s left: %s", self._keys.run_id,
+                           ", ".join(reasons), exc)
 
     def next_rendezvous(self) -> RendezvousInfo:
         with self._lock:
@@ -221,6 +269,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise RendezvousError(
                 "wait_for_membership_change() needs a completed round: call next_rendezvous() first"
             )
+        self.history.release()  # the round is formed: this node's deferred events can go now
         deadline = time.monotonic() + timeout
         path = self._keys.round(member.round + 1)
         while True:
@@ -239,7 +288,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         member = self._member
         if member is None:
             return False
+        self.report_left({self._node_id: "graceful_leave"})
         self._store.delete_key(self._keys.expect(member.round + 1, self._node_id))
+        self.record_event("node_leaving")
         logger.info("rendezvous %s: %s leaves after round %d", self._keys.run_id, self._node_id,
                     member.round)
         return True
@@ -251,6 +302,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         out the store's own timeout (the session's ephemeral keys expire on the server anyway).
         """
         self._store.set_timeout(min(self._close_timeout, self._store.timeout.total_seconds()))
+        self.history.close(min(2.0, self._close_timeout))
         try:
             self._leave_round()
             self._member = None
@@ -273,6 +325,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         previous = self._member
         # A member goes straight to the round after its own; a newer one makes it late there.
         round_ = previous.round + 1 if previous else self._latest_sealed() + 1
+        if previous is None:  # written once the round is formed, or the node waits a while
+            self.record_event("node_waiting", round=round_, host=self._host, pid=os.getpid(),
+                              defer=True)
         lapsed = False
         while True:
             try:
@@ -293,7 +348,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ) -> RendezvousInfo | None:
         store, keys, me = self._store, self._keys, self._node_id
         node = NodeDescriptor(
-            me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None
+            me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None,
+            round(time.time(), 6),
         )
         writes = {keys.expect(r + 1, me): b"1", keys.node(r, me): encode_node(node)}
         if previous is not None:
@@ -311,15 +367,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
             for key, value in writes.items():
                 store.set(key, value, ephemeral=True)
             first_look: tuple[RoundView, int] | None = self._observe(r)
-        rank_key = keys.rank(r, me)
+        rank_key, status_key = keys.rank(r, me), keys.status(r)
+        started = time.monotonic()
         armed_since: float | None = None
         since = 0
         woken = False
         while True:
             if woken:  # after a seal attempt: one read tells a member everything
-                raw = store.try_get(rank_key)
-                if raw is not None:
-                    return self._collect(r, raw, previous)
+                reads = store.read_many([rank_key, status_key])
+                if reads.values[rank_key] is not None:
+                    done, info = self._collect(r, reads.values[rank_key],
+                                               reads.values[status_key], previous)
+                    if done:
+                        return info
             view, seen = first_look or self._observe(r)
             first_look = None
             since = max(since, seen)
@@ -330,6 +390,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if self._spare:
                     logger.info("rendezvous %s: %s waits as a spare for round %d",
                                 keys.run_id, self._node_id, r)
+                    self.record_event("spare_waiting", round=r, max_nodes=self._rules.max_nodes)
             step = decide(view, self._rules, now, deadline, armed_since)
             armed_since = step.armed_since
             woken = False
@@ -349,14 +410,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
             elif step.action is Action.SEAL:
                 sealed, mine = self._try_seal(r)
                 if mine is not None:  # this node sealed the round: it knows its rank
-                    return self._collect(r, mine, previous)
+                    return self._collect(r, *mine, previous)[1]
                 if not sealed:
                     self._wait_for_sealer(r, deadline)
                 woken = True
             elif step.action is Action.COLLECT:
-                return self._collect(r, store.try_get(rank_key), previous)
+                reads = store.read_many([rank_key, status_key])
+                done, info = self._collect(r, reads.values[rank_key], reads.values[status_key],
+                                           previous)
+                if done:
+                    return info
             else:
                 self._delete_garbage()  # while idle
+                if now - started > HISTORY_DEFER:
+                    self.history.release()
                 if self._spare:
                     # A spare's wait ends with the run (the store may go with the last member)
                     # or a seal: the round's status comes with the wake-up.
@@ -374,7 +441,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 # Most wake-ups are the seal: the rank comes with the wake-up (one round trip).
                 since, raw = self._watch_get(keys.ctl(r), since, step.wake_at - now, rank_key)
                 if raw is not None:
-                    return self._collect(r, raw, previous)
+                    done, info = self._collect(r, raw, store.try_get(status_key), previous)
+                    if done:
+                        return info
 
     def _observe(self, r: int) -> tuple[RoundView, int]:
         """The round as seen now and the revision of its ``ctl/`` to watch from, in one
@@ -401,40 +470,50 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rejoined = reads.counts[back_dir] if expected else 0
         return RoundView(False, False, alive, rejoined, expected, armed), seen
 
-    def _try_seal(self, r: int) -> tuple[bool, bytes | None]:
+    def _try_seal(self, r: int) -> tuple[bool, tuple[bytes, bytes] | None]:
         """Seal round r if this node gets the sealer lock.
 
         Returns (False, None) if another node holds the lock; else (True, this node's rank
-        record if this call sealed the round with it). One round trip takes the lock, one reads
-        the status and the joiners; the decision and the release (an empty value: a quiet
-        write) travel with a read of ``closed``, which the store answers after applying them:
-        a :meth:`set_closed` that came first is seen here, and the next round is closed too
-        (the seal replaced the closed status); one that came later finds the round sealed and
-        closes the next round itself. The release, or the holder's death, wakes the nodes
-        waiting for the lock (:meth:`_wait_for_sealer`).
+        record and the round's status if this call sealed the round with it). One round trip
+        takes the lock, one reads the status and the joiners, one writes the decision
+        (:meth:`_write_decision`: fenced, and emptying the lock with it). A sealer fenced off
+        (it lost the lock while paused, or :meth:`set_closed` closed the round first) writes
+        nothing and reads the round's outcome like the others. Emptying the lock, or the
+        holder's death, wakes the nodes waiting for it (:meth:`_wait_for_sealer`).
         """
         store, keys = self._store, self._keys
         me, lock = self._node_id.encode(), keys.sealer(r)
         if store.compare_set(lock, b"", me, ephemeral=True) != me:
             return False, None
         status, nodes_dir = keys.status(r), keys.nodes(r)
+        written: bool | None = None
         mine = None
+        # What the history's round_formed event needs comes with the same read.
+        history = ([round_event_key(keys, r - 1)] if r > 0 else [], [keys.left_dir(r)])
+        if self._history_size <= 0:
+            history = ([], [])
         with store.batch():
             try:
-                reads = store.read_many(keys=[status], lists=[nodes_dir])
+                reads = store.read_many(keys=[status, *history[0]], lists=[nodes_dir, *history[1]])
                 if reads.values[status] is None:  # not sealed (nor closed) before the lock was ours
-                    mine = self._seal(r, reads.lists[nodes_dir])
-            finally:
+                    written, mine = self._seal(r, reads.lists[nodes_dir], reads)
+            except BaseException:
+                with contextlib.suppress(StoreError):  # the lock may be another node's by now
+                    store.compare_set(lock, me, b"", ephemeral=True)
+                raise
+            if written is None:  # nothing written: release the lock (a quiet write)
                 store.set(lock, b"", ephemeral=True)
-            closed = store.try_get(keys.closed) is not None
-        if closed:
-            store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
+            elif not written:  # fenced off: release the lock only if it is still this node's
+                store.compare_set(lock, me, b"", ephemeral=True)
         return True, mine
 
-    def _seal(self, r: int, listed: dict[str, bytes]) -> bytes | None:
+    def _seal(
+        self, r: int, listed: dict[str, bytes], reads: Reads
+    ) -> tuple[bool | None, tuple[bytes, bytes] | None]:
         """Write round r's decision and each joiner's rank, given the ``listed`` descriptors
-        (lock held). Returns this node's rank record (None if it is not a member). With fewer
-        than min_nodes joiners left, writes nothing: the others re-evaluate."""
+        (lock held). Returns whether it was written (None: nothing to write, with fewer than
+        min_nodes joiners left: the others re-evaluate), and this node's rank record and the
+        status if it is a member."""
         keys, prefix = self._keys, len(self._keys.nodes(r))
         joiners = {}
         for key, raw in listed.items():
@@ -446,17 +525,58 @@ class DynamicRendezvousHandler(RendezvousHandler):
             joiners[node.node_id] = node
         ranks = plan_ranks(joiners, self._rules)
         if ranks is None:
-            return None
+            return None, None
         rank0 = joiners[next(node_id for node_id, rank in ranks.items() if rank == 0)]
-        decision = Decision(len(ranks), rank0.host, rank0.port)
-        records = encode_ranks(ranks, decision)
-        names = [keys.rank(r, node_id) for node_id in records] + [keys.status(r), keys.sealed]
-        self._store.multi_set(
-            names, [*records.values(), encode_decision(decision), str(r).encode()]
-        )
+        decision = Decision(len(ranks), rank0.host, rank0.port,
+                            seal_of(self._node_id, ranks, rank0.host, rank0.port))
+        records, status = encode_ranks(ranks, decision), encode_decision(decision)
+        names = [keys.rank(r, node_id) for node_id in records]
+        values = list(records.values())
+        left_marks: list[str] = []
+        if self._history_size > 0:  # the history's event travels with the seal (no round trip)
+            event, left_marks = round_event(keys, r, ranks, joiners, reads, self._node_id)
+            names.append(round_event_key(keys, r))
+            values.append(encode_event(event))
+        names += [keys.status(r), keys.sealed]
+        if not self._write_decision(r, names, [*values, status, str(r).encode()]):
+            logger.warning("rendezvous %s round %d: %s lost the sealer lock before its decision "
+                           "was written (paused longer than its session ttl?); it reads the "
+                           "round's decision instead", keys.run_id, r, self._node_id)
+            return False, None
+        self._left_marks = left_marks
         logger.info("rendezvous %s round %d sealed by %s: world_size %d",
                     keys.run_id, r, self._node_id, decision.world_size)
-        return records.get(self._node_id)
+        mine = records.get(self._node_id)
+        return True, None if mine is None else (mine, status)
+
+    def _write_decision(self, r: int, names: list[str], values: list[bytes]) -> bool:
+        """Write round r's decision, ``names`` (its status and ``sealed`` pointer last), and
+        empty the sealer lock with it, only while the lock names this node and the round has
+        no status (:meth:`Store.multi_set_if`: a lock lost while paused, or a round closed
+        meanwhile, fences the write off); whether it was written.
+
+        A store that cannot write conditionally (a store server older than fencing) gets the
+        unfenced write of rdzv before it: the decision, then the release and a read of
+        ``closed`` and of the status in one round trip (a :meth:`set_closed` that came first
+        is seen, and the next round closed too); the members check their rank records
+        against the status (:func:`check_rank`), so a stale sealer's decision is not taken.
+        """
+        store, keys = self._store, self._keys
+        lock, status = keys.sealer(r), keys.status(r)
+        if store.capabilities.conditional:
+            try:
+                return store.multi_set_if(
+                    {lock: self._node_id.encode(), status: None}, [*names, lock], [*values, b""]
+                )
+            except StoreUnsupportedError as exc:
+                logger.warning("rendezvous %s: %s; sealing round %d without fencing",
+                               keys.run_id, exc, r)
+        store.multi_set(names, values)
+        store.set(lock, b"", ephemeral=True)
+        reads = store.read_many([keys.closed, status])
+        if reads.values[keys.closed] is not None:
+            store.compare_set(keys.status(r + 1), b"", CLOSED_STATUS)
+        return reads.values[status] == values[names.index(status)]
 
     def _wait_for_sealer(self, r: int, deadline: float) -> None:
         """Wait until the node holding round r's sealer lock releases it (done, or dead).
@@ -470,24 +590,43 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch(lock, since, deadline - time.monotonic())
 
     def _collect(
-        self, r: int, raw: bytes | None, previous: Membership | None
-    ) -> RendezvousInfo | None:
-        """This node's RendezvousInfo from its rank key in sealed round r; None if it is late."""
+        self, r: int, raw: bytes | None, raw_status: bytes | None, previous: Membership | None
+    ) -> tuple[bool, RendezvousInfo | None]:
+        """This node's outcome of round r from its rank record and the round's status, read
+        together: (True, its RendezvousInfo), (True, None) if it is late for the round, or
+        (False, None) while the decision is not written yet (the caller waits on).
+
+        A rank record is accepted only as part of the round's decision (:func:`check_rank`):
+        one of another decision, which only a stale sealer on a store that cannot fence its
+        writes leaves, makes this node late for the round (and deleted), never a member of a
+        mixed world."""
         store, keys = self._store, self._keys
-        if raw is None:
+        rank_key = keys.rank(r, self._node_id)
+        rank, decision = decode_rank(rank_key, raw) if raw is not None else (-1, None)
+        verdict = check_rank(decision, decode_status(keys.status(r), raw_status))
+        if verdict is Verdict.UNSEALED:
+            return False, None
+        if verdict is Verdict.CLOSED:
+            self._leave_round()
+            raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
+        if verdict is Verdict.LATE:
+            if decision is not None:
+                logger.warning("rendezvous %s: %s holds a rank of another decision than round "
+                               "%d's (a stale sealer's write): not a member of it", keys.run_id,
+                               self._node_id, r)
             logger.info("rendezvous %s: %s is late for round %d", keys.run_id, self._node_id, r)
             store.delete_key(self._owned[0])  # not a member: not expected in round r+1
-            self._garbage += self._stale + self._owned[1:]
+            self._garbage += self._stale + self._owned[1:] + ([rank_key] if raw else [])
             self._stale, self._owned = [], []
-            return None
-        rank_key = keys.rank(r, self._node_id)
-        rank, decision = decode_rank(rank_key, raw)
+            return True, None
+        assert decision is not None
         self._delete_garbage()
         # Only the liveness for round r+1 (expect) stays; the rest was needed to form round r.
-        self._garbage = self._stale + self._owned[1:] + [rank_key]
+        self._garbage = self._stale + self._owned[1:] + [rank_key] + self._left_marks
+        self._left_marks = []
         self._stale, self._owned = [], self._owned[:1]
         self._member = Membership(r, rank, decision.world_size, previous is not None)
-        return RendezvousInfo(
+        return True, RendezvousInfo(
             PrefixStore(keys.user(r), store),
             rank,
             decision.world_size,
@@ -498,6 +637,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _latest_sealed(self, store: Store | None = None) -> int:
         raw = (store or self._store).try_get(self._keys.sealed)
         return decode_int(self._keys.sealed, raw, -1)
+
+    def _side_store(self) -> Store:
+        """The store for the history's background writes: the second client, if the backend
+        has one (a TCPStore client serves one call at a time), else this node's store."""
+        if self._open_query_store is None:
+            return self._store
+        with self._query_lock:
+            if self._query_store is None:
+                self._query_store = self._open_query_store()
+            return self._query_store
 
     def _query(self) -> Store:
         """The store for queries: the second client while a round is being joined, if any."""

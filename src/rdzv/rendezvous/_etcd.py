@@ -19,7 +19,7 @@ import os
 from typing import Any, Sequence, cast
 
 from ..errors import RendezvousParameterError, SessionExpiredError, StoreAuthenticationError
-from ..etcd._client import MAX_TXN_OPS, EtcdCompactedError, b64, unb64
+from ..etcd._client import EtcdCompactedError, b64, unb64
 from ..etcd._writebehind import WriteBehindClient
 from ..store._base import Reads, Timeout, Value, to_bytes, to_seconds
 from ..store._etcd import EtcdStore
@@ -57,8 +57,9 @@ class RendezvousEtcdStore(EtcdStore):
       from etcd) longer than the lease ttl has lost its descriptor with the lease: its look at
       the round also reads that key, and its watch also watches it for a deletion, so either
       raises SessionExpiredError (and drops the dead lease) instead of waiting in a round that
-      no longer counts it; the engine then joins again as a new node. A sealer's decision and
-      the release of its lock are transactions on the lock still holding its node id: a sealer
+      no longer counts it; the engine then joins again as a new node. A sealer's decision (and
+      the lock's release with it) is one transaction on the lock still holding its node id
+      (:meth:`EtcdStore.multi_set_if`), and a release without a decision is one too: a sealer
       that lost the lock to the lease's expiry (and so perhaps to a newer sealer) writes
       nothing.
     """
@@ -96,22 +97,6 @@ class RendezvousEtcdStore(EtcdStore):
         if ephemeral and result and result == to_bytes(desired) and is_sealer_lock(key):
             self._sealer = (key, result)
         return result
-
-    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
-        if self._sealer is None or len(keys) != len(values):
-            return super().multi_set(keys, values)
-        lock, holder = self._sealer  # the seal: written only while this node holds the lock
-        holds = {"key": b64(self.etcd_key(lock)), "target": "VALUE", "result": "EQUAL",
-                 "value": b64(holder)}  # fmt: skip
-        items = list({self.etcd_key(k): to_bytes(v) for k, v in zip(keys, values)}.items())
-        for start in range(0, len(items), MAX_TXN_OPS):
-            ops = [{"request_put": self._put(k, v, None)}
-                   for k, v in items[start : start + MAX_TXN_OPS]]  # fmt: skip
-            answer = self.client.call("kv/txn", {"compare": [holds], "success": ops})
-            if not answer.get("succeeded"):
-                raise self._lease_lost(f"its sealer lock {lock!r} is no longer its own",
-                                       "its decision was not written")
-        return None
 
     def _release(self, lock: str, holder: bytes) -> None:
         """Empty the sealer lock if this node still holds it (a quiet write that keeps the
@@ -278,8 +263,9 @@ def store_options(params: RendezvousParameters) -> dict[str, Any]:
     return options
 
 
-def open_store(params: RendezvousParameters) -> RendezvousEtcdStore:
-    """This node's etcd client, checked to reach etcd (a typed error naming the endpoints)."""
+def open_store(params: RendezvousParameters, *, lease: bool = True) -> RendezvousEtcdStore:
+    """This node's etcd client, checked to reach etcd (a typed error naming the endpoints).
+    ``lease``: take the node's lease now (a reader such as ``rdzv status`` needs none)."""
     if not params.endpoint:
         raise RendezvousParameterError(
             "the etcd rendezvous backend needs the etcd endpoints as HOST:PORT[,HOST:PORT...], "
@@ -301,6 +287,8 @@ def open_store(params: RendezvousParameters) -> RendezvousEtcdStore:
             f"user and password_file (or password), else the environment variables "
             f"{USER_ENV} and {PASSWORD_ENV}"
         ) from exc
+    if not lease:
+        return store
     try:
         store.session.id()  # the node's lease now, not on the rendezvous' critical path
     except BaseException:

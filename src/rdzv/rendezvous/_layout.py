@@ -9,12 +9,16 @@ key                              meaning
 ``sealed``                       the number of the last completed round (written with its decision)
 ``round/<r>/nodes/<id>``         EPHEMERAL descriptor of joiner ``id`` (its liveness while r forms)
 ``round/<r>/back/<id>``          EPHEMERAL: joiner ``id`` was a member of round r-1 (a rejoin)
-``round/<r>/rank/<id>``          joiner ``id``'s rank and the decision (the sealer's ``multi_set``)
+``round/<r>/rank/<id>``          joiner ``id``'s rank and the decision (the sealer's fenced write)
 ``round/<r>/ctl/status``         the decision once sealed, or ``closed``; absent while forming
 ``round/<r>/ctl/armed``          written once when the round may complete and min_nodes are alive
 ``round/<r>/sealer``             EPHEMERAL lock of the one node that lists the joiners and seals
-                                 (its node id while held; empty or missing: free)
+                                 (its node id while held; empty or missing: free; the seal
+                                 empties it with the decision's write)
 ``round/<r+1>/ctl/expect/<id>``  EPHEMERAL: joiner ``id`` of round r is alive (written on joining r)
+``round/<r+1>/left/<id>``        why member ``id`` of round r is not coming back (a leave reason,
+                                 for the history: read by r+1's sealer, then deleted)
+``events/...``                   the run's history (``_history.py``)
 ``round/<r>/user/...``           the members' own keys (``RendezvousInfo.store``)
 ===============================  ==================================================================
 
@@ -27,12 +31,17 @@ round costs each node O(1) wake-ups.
 The counts a node needs (alive joiners, rejoined members, alive previous members, nodes waiting)
 come from ``count_keys`` and cost O(1) each.
 
+A decision (the status and every rank record written with it) carries its ``seal``: a digest of
+the sealer's node id and the ranks it gave, so a member can tell a rank record of the round's
+decision from one that another (stale) sealer wrote.
+
 Values are JSON objects with ``"v": 2`` (version 1 named a joiner's keys by an arrival index);
 anything else raises RendezvousStateError naming the key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -52,6 +61,7 @@ _CTL = "ctl/"
 _EXPECT = "expect/"
 """Under ``_CTL``."""
 _SEALER = "sealer"
+_LEFT = "left/"
 _ROUND_DIR = re.compile(rf"{re.escape(ROOT)}/[^/]+/round/[0-9]+/")
 
 
@@ -64,15 +74,25 @@ class NodeDescriptor:
     pid: int
     port: int
     prev_rank: int | None
+    joined_at: float | None = None
+    """The wall time it joined (for the history's formation time); None from older nodes."""
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The outcome of a round: its size and rank 0's bootstrap store address."""
+    """The outcome of a round: its size, rank 0's bootstrap store address, and its identity."""
 
     world_size: int
     master_addr: str
     master_port: int
+    seal: str = ""
+    """:func:`seal_of` the decision (empty in records of rdzv versions before fencing)."""
+
+
+def seal_of(sealer: str, ranks: Mapping[str, int], master_addr: str, master_port: int) -> str:
+    """A decision's identity: a digest of who sealed it and what it decided."""
+    canonical = json.dumps([sealer, sorted(ranks.items()), master_addr, master_port])
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 class RunKeys:
@@ -123,6 +143,12 @@ class RunKeys:
 
     def expect(self, r: int, node_id: str) -> str:
         return self.expect_dir(r) + node_id
+
+    def left_dir(self, r: int) -> str:
+        return self.round(r) + _LEFT
+
+    def left(self, r: int, node_id: str) -> str:
+        return self.left_dir(r) + node_id
 
     def user(self, r: int) -> str:
         """The PrefixStore prefix of round ``r``'s members' own keys (no trailing slash)."""
@@ -211,7 +237,7 @@ def _field(key: str, data: dict[str, Any], name: str, kind: type, optional: bool
 
 def encode_node(node: NodeDescriptor) -> bytes:
     return _dump({"t": "node", "id": node.node_id, "host": node.host, "pid": node.pid,
-                  "port": node.port, "prev": node.prev_rank})
+                  "port": node.port, "prev": node.prev_rank, "at": node.joined_at})
 
 
 def decode_node(key: str, raw: bytes) -> NodeDescriptor:
@@ -222,12 +248,14 @@ def decode_node(key: str, raw: bytes) -> NodeDescriptor:
         pid=_field(key, data, "pid", int),
         port=_field(key, data, "port", int),
         prev_rank=_field(key, data, "prev", int, optional=True),
+        joined_at=_field(key, data, "at", float, optional=True),
     )
 
 
 def encode_decision(decision: Decision) -> bytes:
     return _dump({"t": "sealed", "world_size": decision.world_size,
-                  "addr": decision.master_addr, "port": decision.master_port})
+                  "addr": decision.master_addr, "port": decision.master_port,
+                  "seal": decision.seal})
 
 
 CLOSED_STATUS = _dump({"t": "closed"})
@@ -238,7 +266,7 @@ def encode_ranks(ranks: Mapping[str, int], decision: Decision) -> dict[str, byte
     everything. The records differ only in the rank: the rest is encoded once."""
     head = _dump({"t": "rank"})[:-1] + b',"rank":'
     tail = _dump({"world_size": decision.world_size, "addr": decision.master_addr,
-                  "port": decision.master_port})[len(_dump({})) - 1:]
+                  "port": decision.master_port, "seal": decision.seal})[len(_dump({})) - 1:]
     return {node_id: b"%s%d%s" % (head, rank, tail) for node_id, rank in ranks.items()}
 
 
@@ -257,7 +285,8 @@ def _decision(key: str, data: dict[str, Any]) -> Decision:
     world_size = _field(key, data, "world_size", int)
     if world_size < 1:
         raise RendezvousStateError(f"rendezvous key {key!r}: world_size {world_size} < 1")
-    return Decision(world_size, _field(key, data, "addr", str), _field(key, data, "port", int))
+    return Decision(world_size, _field(key, data, "addr", str), _field(key, data, "port", int),
+                    _field(key, data, "seal", str, optional=True) or "")
 
 
 def decode_status(key: str, raw: bytes | None) -> Decision | None | bool:

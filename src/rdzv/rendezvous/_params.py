@@ -129,6 +129,8 @@ _ROUND_OPTIONS = (
     Option("read_timeout", float, 60.0, "Timeout of a single store operation.", minimum=0.01),
     Option("timeout", float, 900.0, "Accepted for torchrun, which always passes it; the "
            "dynamic backends use join_timeout.", minimum=0),
+    Option("history_size", int, 10_000, "The newest events the run's history keeps in its "
+           "store (rdzv status --events); 0 records none.", minimum=0),
 )
 
 _ETCD_OPTIONS = (

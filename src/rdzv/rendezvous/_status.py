@@ -207,7 +207,7 @@ def format_status(status: RunStatus) -> str:
 
 
 def open_store(params: RendezvousParameters) -> Store:
-    """A read-only client of the store of ``params``' backend (file, tcp/c10d, memory)."""
+    """A read-only client of the store of ``params``' backend (file, tcp/c10d, etcd, memory)."""
     if params.backend == "file":
         from ..store._file import FileStore
         from ._file import store_path
@@ -227,8 +227,13 @@ def open_store(params: RendezvousParameters) -> Store:
         from ._memory import shared_store
 
         return shared_store(params.endpoint).client()
+    if params.backend == "etcd":
+        from ._etcd import open_store as open_etcd_store
+
+        return open_etcd_store(params, lease=False)
     raise RendezvousStateError(
-        f"rdzv status reads the tcp, file and memory backends; {params.backend!r} is not one"
+        f"rdzv status reads the tcp, etcd, file and memory backends; {params.backend!r} is "
+        "not one"
     )
 
 

@@ -55,6 +55,7 @@ class RequestHandlers(Waiters):
         h[P.OP_WATCH] = self._op_watch
         h[P.OP_CLOSE_SESSION] = self._op_close_session
         h[P.OP_WATCH_GET] = self._op_watch_get
+        h[P.OP_MULTI_SET_IF] = self._op_multi_set_if
         return h
 
     def end_session(self, sess: "Session") -> None:  # pragma: no cover - provided by Core
@@ -145,6 +146,13 @@ class RequestHandlers(Waiters):
             if self.waiters:
                 self.wake(changed)
         return P.ok(rid)
+
+    def _op_multi_set_if(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
+        conditions, keys, values = _DEC[P.OP_MULTI_SET_IF](buf, pos, end)
+        written, changed = self.state.multi_set_if(conditions, keys, values)
+        if changed and self.waiters:
+            self.wake(changed)
+        return P.ok(rid, P.TRUE if written else P.FALSE)
 
     def _op_append(self, conn: "Conn", rid: int, buf: bytes, pos: int, end: int) -> bytes:
         key, value = _DEC[P.OP_APPEND](buf, pos, end)

@@ -29,6 +29,7 @@ from ._wire import (
     OP_LIST_KEYS,
     OP_MULTI_GET,
     OP_MULTI_SET,
+    OP_MULTI_SET_IF,
     OP_NAMES,
     OP_NUM_KEYS,
     OP_PING,
@@ -40,6 +41,7 @@ from ._wire import (
     ProtocolError,
     REQ_HEAD,
     U32,
+    U8,
     _ADD,
     _CAS,
     _GET,
@@ -107,14 +109,30 @@ def encode_multi_get(rid: int, keys: Sequence[bytes], wait: int) -> bytes:
     return _frame(OP_MULTI_GET, rid, _WAIT_MS.pack(wait) + _strs(keys))
 
 
-def encode_multi_set(rid: int, keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
+def _pairs(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
     if len(keys) != len(values):
         raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
     pack = U32.pack
-    body = U32.pack(len(keys)) + b"".join(
-        pack(len(k)) + k + pack(len(v)) + v for k, v in zip(keys, values)
+    return pack(len(keys)) + b"".join(pack(len(k)) + k + pack(len(v)) + v for k, v in zip(keys, values))
+
+
+def encode_multi_set(rid: int, keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
+    return _frame(OP_MULTI_SET, rid, _pairs(keys, values))
+
+
+def encode_multi_set_if(
+    rid: int,
+    conditions: Sequence[tuple[bytes, bytes | None]],
+    keys: Sequence[bytes],
+    values: Sequence[bytes],
+) -> bytes:
+    """MULTI_SET_IF: ``u32 n`` n x (key, ``u8 present``, value), then MULTI_SET's pairs."""
+    pack = U32.pack
+    conds = pack(len(conditions)) + b"".join(
+        pack(len(k)) + k + (b"\0" + pack(0) if v is None else b"\1" + pack(len(v)) + v)
+        for k, v in conditions
     )
-    return _frame(OP_MULTI_SET, rid, body)
+    return _frame(OP_MULTI_SET_IF, rid, conds + _pairs(keys, values))
 
 
 def encode_append(rid: int, key: bytes, value: bytes) -> bytes:
@@ -269,6 +287,27 @@ def _dec_multi_set(buf: bytes, pos: int, end: int) -> tuple[list[str], list[byte
     return keys, values
 
 
+def _dec_multi_set_if(
+    buf: bytes, pos: int, end: int
+) -> tuple[dict[str, bytes | None], list[str], list[bytes]]:
+    _need(pos + 4, end, "condition count")
+    (n,) = U32.unpack_from(buf, pos)
+    pos += 4
+    if n * 9 > end - pos:
+        raise ProtocolError(f"condition count {n} does not fit the frame")
+    conditions: dict[str, bytes | None] = {}
+    for _ in range(n):
+        key, pos = _read_key(buf, pos, end)
+        _need(pos + 1, end, "condition flag")
+        (present,) = U8.unpack_from(buf, pos)
+        value, pos = _read_bytes(buf, pos + 1, end, "condition value")
+        conditions[key] = value if present else None
+    if not conditions:
+        raise ProtocolError("multi_set_if without a condition", E_VALUE)
+    keys, values = _dec_multi_set(buf, pos, end)
+    return conditions, keys, values
+
+
 def _dec_append(buf: bytes, pos: int, end: int) -> tuple[str, bytes]:
     key, pos = _read_key(buf, pos, end)
     return key, buf[pos:end]
@@ -316,6 +355,7 @@ DECODERS: dict[int, Callable[[bytes, int, int], tuple]] = {
     OP_WATCH: _dec_watch,
     OP_CLOSE_SESSION: _dec_empty,
     OP_WATCH_GET: _dec_watch_get,
+    OP_MULTI_SET_IF: _dec_multi_set_if,
 }
 """Argument decoder per opcode: ``decoder(buf, pos, end) -> args``."""
 

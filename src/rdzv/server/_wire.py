@@ -42,6 +42,7 @@ OP_REVISION = 15
 OP_WATCH = 16
 OP_CLOSE_SESSION = 17
 OP_WATCH_GET = 18
+OP_MULTI_SET_IF = 19
 
 OP_NAMES = {
     OP_PING: "ping",
@@ -62,13 +63,21 @@ OP_NAMES = {
     OP_WATCH: "watch",
     OP_CLOSE_SESSION: "close_session",
     OP_WATCH_GET: "watch_get",
+    OP_MULTI_SET_IF: "multi_set_if",
 }
 
-MUTATING_OPS = frozenset({OP_SET, OP_ADD, OP_COMPARE_SET, OP_DELETE, OP_MULTI_SET, OP_APPEND})
+MUTATING_OPS = frozenset(
+    {OP_SET, OP_ADD, OP_COMPARE_SET, OP_DELETE, OP_MULTI_SET, OP_APPEND, OP_MULTI_SET_IF}
+)
 """Writes: the server keeps the highest request id applied per session (and its answer), so that
 a request resent after a reconnect (same session, id not above it) is not applied twice."""
 PIPELINED_OPS = frozenset({OP_SET, OP_MULTI_SET})
 """Void writes a client may send without waiting for their answer (the answer is empty)."""
+RESENDABLE_AFTER_EXPIRY = frozenset(range(256)) - MUTATING_OPS | {OP_MULTI_SET_IF}
+"""Requests a client may send again in a new session when it cannot know whether its expired
+session applied them: reads, and conditional writes (their conditions are checked again, and
+one on a key of the expired session fails). Any other write may be applied twice, or act on a
+state that others changed once the session expired (docs/protocol.md, "Session expiry")."""
 
 FLAG_EPHEMERAL = 1
 """SET / COMPARE_SET flag: the key belongs to the sender's session."""
@@ -158,6 +167,12 @@ def _strs(items: Sequence[bytes]) -> bytes:
 
 def _frame(op: int, rid: int, body: bytes) -> bytes:
     return REQ_HEAD.pack(HEAD_SIZE + len(body), op, rid) + body
+
+
+def resendable_after_expiry(frame: bytes) -> bool:
+    """Whether request ``frame`` may be sent again in a new session (its op, byte 4, is in
+    :data:`RESENDABLE_AFTER_EXPIRY`)."""
+    return frame[4] in RESENDABLE_AFTER_EXPIRY
 
 
 def wait_ms(seconds: float) -> int:

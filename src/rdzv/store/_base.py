@@ -12,6 +12,8 @@ Beyond torch's API a store may offer, as declared in :attr:`Store.capabilities`:
   when the client closes the store, when its process dies (its connection or lock goes away), or
   when its heartbeat lapses for ``session_ttl`` seconds (a hung or cut-off client).
 * **listing** -- :meth:`Store.list_keys` and :meth:`Store.count_keys` by prefix.
+* **conditional** -- :meth:`Store.multi_set_if` writes several keys only while conditions on
+  other keys hold, as one atomic step (a fenced write: a lock still names its holder).
 
 Paths used by ``watch`` and ``revision`` are either an exact key (``"job/round"``), a directory
 (``"job/nodes/"``, trailing slash: every key that starts with it) or ``""`` (the whole store).
@@ -24,12 +26,15 @@ import abc
 import contextlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import ClassVar, Iterable, Iterator, Sequence, Union
+from typing import ClassVar, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
-from ..errors import StoreTimeoutError
+from ..errors import StoreTimeoutError, StoreUnsupportedError, StoreValueError
 from . import _queue
 
 Value = Union[str, bytes, bytearray, memoryview]
+Conditions = Mapping[str, Optional[Value]]
+"""What :meth:`Store.multi_set_if` requires: key -> the exact value it must hold (None: the key
+must be missing)."""
 Timeout = Union[float, int, timedelta, None]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -51,6 +56,8 @@ class StoreCapabilities:
     """``list_keys`` and ``count_keys`` work by prefix."""
     multi_process: bool
     """Several processes (or hosts) can share the store."""
+    conditional: bool = False
+    """:meth:`Store.multi_set_if`: a multi-key write applied atomically only while conditions hold."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,24 @@ def compare_set_result(current: bytes | None, expected: bytes, desired: bytes) -
     return current, False
 
 
+def conditions_hold(conditions: Mapping[str, bytes | None], current: Mapping[str, bytes | None]) -> bool:
+    """The rule of :meth:`Store.multi_set_if`: every condition key holds exactly its expected
+    value (None: it is missing), given the ``current`` value of each (None: missing)."""
+    return all(current.get(key) == expected for key, expected in conditions.items())
+
+
+def check_conditional_write(
+    conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+) -> tuple[dict[str, bytes | None], list[str], list[bytes]]:
+    """The arguments of :meth:`Store.multi_set_if`, validated and as bytes."""
+    if len(keys) != len(values):
+        raise StoreValueError(f"multi_set_if got {len(keys)} keys but {len(values)} values")
+    if not conditions:
+        raise StoreValueError("multi_set_if needs at least one condition (else use multi_set)")
+    checked = {check_key(k): None if v is None else to_bytes(v) for k, v in conditions.items()}
+    return checked, [check_key(k) for k in keys], [to_bytes(v) for v in values]
+
+
 class Store(abc.ABC):
     """A key-value store with the API of ``torch.distributed.Store``.
 
@@ -192,6 +217,20 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         """Write several keys at once (atomically where the implementation can)."""
+
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        """Write ``keys`` (plain, not ephemeral) only if every key of ``conditions`` holds exactly
+        its value (None: the key is missing), as one atomic step; whether it wrote.
+
+        A fenced write (capability ``conditional``): a lock holder writes its decision only
+        while the lock still names it, so a holder that was paused past its lock's life writes
+        nothing. Stores without the capability raise StoreUnsupportedError.
+        """
+        raise StoreUnsupportedError(
+            f"{type(self).__name__} cannot write conditionally (capability 'conditional')"
+        )
 
     @abc.abstractmethod
     def append(self, key: str, value: Value) -> None:

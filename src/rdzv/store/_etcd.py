@@ -29,11 +29,13 @@ from ..etcd._options import EtcdOptions
 from ._base import (
     DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
+    Conditions,
     Reads,
     Store,
     StoreCapabilities,
     Timeout,
     Value,
+    check_conditional_write,
     check_key,
     compare_set_result,
     timeout_error,
@@ -60,7 +62,9 @@ class EtcdStore(Store):
     ``retry_timeout``. Ephemeral keys vanish ``session_ttl`` seconds after this process dies.
     """
 
-    capabilities = StoreCapabilities(watch=True, ephemeral=True, listing=True, multi_process=True)
+    capabilities = StoreCapabilities(
+        watch=True, ephemeral=True, listing=True, multi_process=True, conditional=True
+    )
     client_type: ClassVar[type[EtcdClient]] = EtcdClient
     """The class of :attr:`client` (a backend may send its requests its own way)."""
 
@@ -320,6 +324,31 @@ class EtcdStore(Store):
                 for k, v in items[start : start + MAX_TXN_OPS]
             ]
             self.client.call("kv/txn", {"success": ops})
+
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        """One transaction comparing every condition (a missing key: create revision 0).
+        More than ``MAX_TXN_OPS`` keys go in several transactions, in order, each with the
+        conditions: one that fails ends the write (the earlier ones stay), so a caller puts
+        the key that commits its decision last."""
+        checked, names, data = check_conditional_write(conditions, keys, values)
+        compare = [
+            {"key": b64(self.etcd_key(k)), "target": "VALUE", "result": "EQUAL", "value": b64(v)}
+            if v is not None else
+            {"key": b64(self.etcd_key(k)), "target": "CREATE", "result": "EQUAL",
+             "create_revision": "0"}
+            for k, v in checked.items()
+        ]  # fmt: skip
+        items = list({self.etcd_key(k): v for k, v in zip(names, data)}.items())
+        for start in range(0, max(len(items), 1), MAX_TXN_OPS):
+            ops = [{"request_put": self._put(k, v, None)}
+                   for k, v in items[start : start + MAX_TXN_OPS]]  # fmt: skip
+            if not self.client.call("kv/txn", {"compare": compare, "success": ops}).get(
+                "succeeded"
+            ):
+                return False
+        return True
 
     def delete_key(self, key: str) -> bool:
         answer = self.client.call("kv/deleterange", {"key": b64(self.etcd_key(key))})

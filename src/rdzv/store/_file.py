@@ -18,7 +18,6 @@ import os
 import random
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -26,10 +25,12 @@ from ..errors import SessionExpiredError, StoreConnectionError, StoreError, Stor
 from ._base import (
     DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
+    Conditions,
     Store,
     StoreCapabilities,
     Timeout,
     Value,
+    check_conditional_write,
     check_key,
     timeout_error,
     to_bytes,
@@ -46,7 +47,14 @@ from ._fileformat import (
     encode_record,
     snapshot_effects,
 )
-from ._filesession import LivenessProbe, SessionFile, remove_session_file, sessions_dir
+from ._filesession import (
+    LivenessProbe,
+    SessionFile,
+    process_lock,
+    remove_session_file,
+    sessions_dir,
+    start_heartbeat,
+)
 from ._state import KVState, SessionOpen
 
 logger = logging.getLogger(__name__)
@@ -61,28 +69,6 @@ LOCK_MIN_WAIT = 10.0
 
 _in_call = threading.local()
 """``depth``: how many FileStore calls the current thread is inside (holding a file lock)."""
-
-_process_locks: dict[str, threading.RLock] = {}
-_process_locks_guard = threading.Lock()
-
-
-def _process_lock(file_name: str) -> threading.RLock:
-    """The lock that orders this process's clients of ``file_name`` (flock alone may not)."""
-    with _process_locks_guard:
-        return _process_locks.setdefault(file_name, threading.RLock())
-
-
-def _heartbeat_loop(ref: "weakref.ref[FileStore]", stop: threading.Event, interval: float) -> None:
-    """The heartbeat thread of a FileStore: a beat every ``interval`` (jittered) until ``stop``
-    is set or the store is collected. It holds the store only during a beat, so that dropping
-    the last reference releases it (``FileStore.__del__``)."""
-    while not stop.wait(interval * random.uniform(0.8, 1.0)):
-        store = ref()
-        if store is None:
-            return
-        store._beat()
-        del store
-
 
 def _sleep_backoff(delay: float, deadline: float) -> float:
     """Sleep ``delay`` (not past ``deadline``); the next, doubled delay."""
@@ -99,7 +85,9 @@ class FileStore(Store):
     when the records after the last snapshot exceed both this and the snapshot's size.
     """
 
-    capabilities = StoreCapabilities(watch=False, ephemeral=True, listing=True, multi_process=True)
+    capabilities = StoreCapabilities(
+        watch=False, ephemeral=True, listing=True, multi_process=True, conditional=True
+    )
 
     def __init__(
         self,
@@ -124,7 +112,7 @@ class FileStore(Store):
         self.world_size = world_size
         self._session_ttl = float(session_ttl)
         self._compact_bytes = compact_bytes
-        self._lock = _process_lock(self.file_name)
+        self._lock = process_lock(self.file_name)
         self._fd: int | None = None
         self._offset = 0  # next byte to read; 0: header not read yet
         self._header = Header(0, 0, 0)
@@ -139,13 +127,7 @@ class FileStore(Store):
                 os.close(self._fd)
             raise
         self._stop = threading.Event()
-        self._heartbeat = threading.Thread(  # (holds no reference to self: see __del__)
-            target=_heartbeat_loop,
-            args=(weakref.ref(self), self._stop, self._session_ttl / 3),
-            name=f"FileStore heartbeat {self._session}",
-            daemon=True,
-        )
-        self._heartbeat.start()
+        self._heartbeat = start_heartbeat(self, self._stop, self._session_ttl / 3, self._session)
         self._closed = False
 
     def __del__(self) -> None:
@@ -435,6 +417,12 @@ class FileStore(Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         checked, data = [check_key(k) for k in keys], [to_bytes(v) for v in values]
         self._mutate(lambda s: s.multi_set(checked, data))
+
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        checked, names, data = check_conditional_write(conditions, keys, values)
+        return self._mutate(lambda s: s.multi_set_if(checked, names, data))[0]
 
     def append(self, key: str, value: Value) -> None:
         check_key(key)

@@ -12,9 +12,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import random
 import socket
 import threading
 import time
+import weakref
+from typing import Any
 
 from ..errors import StoreError
 
@@ -24,6 +27,16 @@ _local_lock = threading.Lock()
 _local_sessions: dict[str, set[int]] = {}
 """Live sessions of this process per store file: never probed (POSIX locks, as NFS emulates
 flock with, do not exclude the process that holds them)."""
+
+
+_process_locks: dict[str, threading.RLock] = {}
+_process_locks_guard = threading.Lock()
+
+
+def process_lock(file_name: str) -> threading.RLock:
+    """The lock that orders this process's clients of ``file_name`` (flock alone may not)."""
+    with _process_locks_guard:
+        return _process_locks.setdefault(file_name, threading.RLock())
 
 
 def sessions_dir(file_name: str) -> str:
@@ -132,3 +145,30 @@ class LivenessProbe:
         if free is None:
             return "its session file is gone"
         return "its process released the session lock" if free else None
+
+
+def heartbeat_loop(ref: "weakref.ref[Any]", stop: threading.Event, interval: float) -> None:
+    """The heartbeat thread of a FileStore: a beat every ``interval`` (jittered) until ``stop``
+    is set or the store is collected. It holds the store only during a beat, so that dropping
+    the last reference releases it (``FileStore.__del__``)."""
+    while not stop.wait(interval * random.uniform(0.8, 1.0)):
+        store = ref()
+        if store is None:
+            return
+        store._beat()
+        del store
+
+
+def start_heartbeat(
+    store: Any, stop: threading.Event, interval: float, session: int
+) -> threading.Thread:
+    """The started heartbeat thread of FileStore ``store`` (it holds no reference to the store
+    between beats: see ``FileStore.__del__``)."""
+    thread = threading.Thread(
+        target=heartbeat_loop,
+        args=(weakref.ref(store), stop, interval),
+        name=f"FileStore heartbeat {session}",
+        daemon=True,
+    )
+    thread.start()
+    return thread

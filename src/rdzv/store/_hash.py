@@ -13,11 +13,13 @@ from typing import Sequence
 
 from ._base import (
     DEFAULT_TIMEOUT,
+    Conditions,
     Store,
     StoreCapabilities,
     Timeout,
     Value,
     check_key,
+    check_conditional_write,
     timeout_error,
     to_bytes,
     to_seconds,
@@ -36,7 +38,9 @@ class _Shared:
 class HashStore(Store):
     """An in-process store (torch's ``HashStore``), thread safe, with watch and sessions."""
 
-    capabilities = StoreCapabilities(watch=True, ephemeral=True, listing=True, multi_process=False)
+    capabilities = StoreCapabilities(
+        watch=True, ephemeral=True, listing=True, multi_process=False, conditional=True
+    )
 
     def __init__(self, timeout: Timeout = DEFAULT_TIMEOUT, *, _shared: _Shared | None = None) -> None:
         super().__init__(timeout)
@@ -80,6 +84,15 @@ class HashStore(Store):
         data = [to_bytes(v) for v in values]
         with self._shared.cond:
             self._mutate(self._shared.state.multi_set([check_key(k) for k in keys], data))
+
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        checked, names, data = check_conditional_write(conditions, keys, values)
+        with self._shared.cond:
+            written, changed = self._shared.state.multi_set_if(checked, names, data)
+            self._mutate(changed)
+            return written
 
     def append(self, key: str, value: Value) -> None:
         data = to_bytes(value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Sequence
 
-from ._base import Reads, Store, Timeout, Value, check_key
+from ._base import Conditions, Reads, Store, Timeout, Value, check_key
 
 
 class PrefixStore(Store):
@@ -83,6 +83,13 @@ class PrefixStore(Store):
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         self.underlying_store.multi_set([self._k(k) for k in keys], values)
+
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        return self.underlying_store.multi_set_if(
+            {self._k(k): v for k, v in conditions.items()}, [self._k(k) for k in keys], values
+        )
 
     def append(self, key: str, value: Value) -> None:
         self.underlying_store.append(self._k(key), value)

@@ -10,10 +10,10 @@ appends its effect as a :class:`Put`, :class:`Delete`, :class:`SessionOpen` or
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Union
+from typing import Mapping, NamedTuple, Sequence, Union
 
 from ..errors import StoreValueError
-from ._base import compare_set_result, dir_paths
+from ._base import compare_set_result, conditions_hold, dir_paths
 
 
 class Put(NamedTuple):
@@ -146,6 +146,15 @@ class KVState:
         for key, value in zip(keys, values):
             self._put(key, value, 0, self.revision)
         return list(keys)
+
+    def multi_set_if(
+        self, conditions: Mapping[str, bytes | None], keys: Sequence[str], values: Sequence[bytes]
+    ) -> tuple[bool, list[str]]:
+        """:meth:`multi_set` if every condition holds (see :func:`conditions_hold`): (whether
+        it wrote, the keys changed)."""
+        if not conditions_hold(conditions, {key: self.get(key) for key in conditions}):
+            return False, []
+        return True, self.multi_set(keys, values) if keys else []
 
     def add(self, key: str, amount: int) -> tuple[int, list[str]]:
         entry = self._data.get(key)

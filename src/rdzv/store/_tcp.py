@@ -17,7 +17,10 @@ that is killed, hung or cut off loses its ephemeral keys.
 A lost connection is re-established (with backoff, within the call's timeout) and the session
 resumed, so a client carries on across a restart of a durable server. Every unacknowledged write
 is resent after a reconnect, in order; the server applies none twice (it remembers the last write
-request id of each session and answers a resent one without applying it).
+request id of each session and answers a resent one without applying it). If the session expired
+meanwhile, only reads and conditional writes are sent again; the other unconfirmed writes are
+dropped and named by the SessionExpiredError that reports the expiry (docs/protocol.md,
+"Session expiry").
 """
 
 from __future__ import annotations
@@ -28,27 +31,34 @@ import struct
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
-from ..errors import StoreError, StoreProtocolError, StoreTimeoutError, StoreValueError
+from ..errors import (
+    StoreError,
+    StoreProtocolError,
+    StoreTimeoutError,
+    StoreUnsupportedError,
+    StoreValueError,
+)
 from ..server import _auth
 from ..server import protocol as P
 from ._base import (
     DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
+    Conditions,
     Reads,
-    Store,
     StoreCapabilities,
     Timeout,
     Value,
+    check_conditional_write,
     check_key,
-    timeout_error,
     to_bytes,
-    to_seconds,
 )
 from ._embedded import check_arguments, start_server, stop_server
 from ._keepalive import KEEPALIVE
-from ._tcp_conn import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, StoreConnection, log
+from ._tcp_blocking import BlockingCalls
+from ._tcp_conn import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, log
 
 __all__ = ["INIT_KEY", "MAX_UNACKED_BYTES", "MAX_UNACKED_WRITES", "TCPStore"]
 
@@ -56,7 +66,6 @@ INIT_KEY = "init/"
 """The counter that clients increment when created with a world size (as torch's do)."""
 _OK = P.STATUS_OK
 _encode_set = P.encode_set
-_encode_get = P.encode_get
 _TIMEOUT = P.STATUS_TIMEOUT
 _monotonic = time.monotonic
 
@@ -84,7 +93,7 @@ def _bind_host(host_name: str) -> str:
     return "::" if ":" in host_name else "0.0.0.0"
 
 
-class TCPStore(StoreConnection, Store):
+class TCPStore(BlockingCalls):
     """A store served by an rdzv store server (``rdzv serve``, or embedded with ``is_master``).
 
     The arguments are torch's: ``is_master=True`` starts a :class:`~rdzv.server.StoreServer` in
@@ -100,7 +109,9 @@ class TCPStore(StoreConnection, Store):
     it stops hearing from it (0: only until the connection closes).
     """
 
-    capabilities = StoreCapabilities(watch=True, ephemeral=True, listing=True, multi_process=True)
+    capabilities = StoreCapabilities(
+        watch=True, ephemeral=True, listing=True, multi_process=True, conditional=True
+    )
 
     def __init__(
         self,
@@ -217,6 +228,34 @@ class TCPStore(StoreConnection, Store):
             rid = self._rid = self._rid + 1
             self._send_write(P.encode_multi_set(rid, kbs, vbs), rid, "multi_set", keys[0])
 
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        """One request (MULTI_SET_IF), answered once applied (or refused) by the server. A
+        server that predates it makes this raise StoreUnsupportedError, and this client's
+        :attr:`capabilities` then say ``conditional=False``."""
+        checked, names, data = check_conditional_write(conditions, keys, values)
+        if not self.capabilities.conditional:
+            raise self._lacks_multi_set_if()
+        conds = [(k.encode(), v) for k, v in checked.items()]
+        kbs = [k.encode() for k in names]
+        first = next(iter(checked))
+        try:
+            return P.decode_bool(self._simple(
+                lambda rid: P.encode_multi_set_if(rid, conds, kbs, data), "multi_set_if", first
+            ))  # fmt: skip
+        except StoreProtocolError as exc:
+            if exc.code != P.E_UNKNOWN_OP:
+                raise
+        self.capabilities = replace(self.capabilities, conditional=False)  # type: ignore[misc]
+        raise self._lacks_multi_set_if()
+
+    def _lacks_multi_set_if(self) -> StoreUnsupportedError:
+        return StoreUnsupportedError(
+            f"the store server at {self._host}:{self._port} predates conditional writes "
+            "(multi_set_if): upgrade it to this rdzv version (rdzv serve)"
+        )
+
     def append(self, key: str, value: Value) -> None:
         kb = check_key(key).encode()
         vb = to_bytes(value)
@@ -227,27 +266,6 @@ class TCPStore(StoreConnection, Store):
         return P.decode_bool(self._simple(lambda rid: P.encode_delete(rid, kb), "delete_key", key))
 
     # -- reads ------------------------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
-        if key.__class__ is not str or not key:
-            check_key(key)
-        timeout = self._timeout
-        if timeout < self._ping_every:
-            return self._get1(key, timeout)
-        # Fast path: the first (often the only) server-side wait is a whole chunk.
-        started = _monotonic()
-        with self._lock:
-            rid = self._rid = self._rid + 1
-            status, payload = self._request(
-                _encode_get(rid, key.encode(), True, self._chunk_ms), rid, started + timeout
-            )
-        if status == _OK:
-            return payload
-        if status != _TIMEOUT:
-            raise self._error(status, payload, "get", key)
-        if _monotonic() >= started + timeout:
-            raise timeout_error([key], timeout)
-        return self._get1(key, timeout, started + timeout)
-
     def try_get(self, key: str) -> bytes | None:
         kb = check_key(key).encode()
         return _found(self._simple(lambda rid: P.encode_get(rid, kb, False), "try_get", key))
@@ -346,92 +364,6 @@ class TCPStore(StoreConnection, Store):
             status, payload = self._request(P.encode_ping(rid), rid)
         if status:
             raise self._error(status, payload, "flush", None)
-
-    # -- blocking calls: server-side waits in chunks of at most ttl/3 --------------------------
-    def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
-        pb, since = path.encode(), int(since)
-        encode = lambda rid, wait: P.encode_watch(rid, pb, since, wait)  # noqa: E731
-        return P.decode_u64(self._watch(encode, "watch", path, since, timeout))
-
-    def watch_get(
-        self, path: str, since: int, key: str, timeout: Timeout = None
-    ) -> tuple[int, bytes | None]:
-        if self._server_lacks_watch_get:
-            return super().watch_get(path, since, key, timeout)
-        pb, kb, since = path.encode(), check_key(key).encode(), int(since)
-        encode = lambda rid, wait: P.encode_watch_get(rid, pb, since, wait, kb)  # noqa: E731
-        try:
-            return P.decode_watch_get(self._watch(encode, "watch_get", path, since, timeout))
-        except StoreProtocolError as exc:
-            if exc.code != P.E_UNKNOWN_OP:
-                raise
-        log.info("the store server at %s:%d predates watch_get: watch, then get", self._host,
-                 self._port)
-        self._server_lacks_watch_get = True
-        return super().watch_get(path, since, key, timeout)
-
-    def _watch(
-        self, encode: Callable[[int, int], bytes], what: str, path: str, since: int,
-        timeout: Timeout,
-    ) -> bytes:
-        """The answer to a watch (or watch_get) of ``path``, sent in server-side waits of at
-        most ttl/3 until the path changes after ``since`` or ``timeout`` runs out."""
-        deadline = _monotonic() + to_seconds(timeout, self._timeout)
-        while True:
-            _, payload = self._chunk(encode, deadline, what, path)  # (a watch never times out)
-            if P.decode_u64(payload[:8]) > since or _monotonic() >= deadline:
-                return payload
-
-    def _get1(self, key: str, timeout: float, deadline: float | None = None) -> bytes:
-        kb = key.encode()
-        if deadline is None:
-            deadline = _monotonic() + timeout
-        while True:
-            done, payload = self._chunk(
-                lambda rid, wait: P.encode_get(rid, kb, True, wait), deadline, "get", key
-            )
-            if done:
-                return payload
-            if _monotonic() >= deadline:
-                raise timeout_error([key], timeout)
-
-    def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
-        if len(keys) == 1:
-            return [self._get1(keys[0], timeout)]
-        if not keys:
-            return []
-        return P.decode_values(self._wait_keys(P.encode_multi_get, keys, timeout, "multi_get"))
-
-    def _wait(self, keys: list[str], timeout: float) -> None:
-        if keys:
-            self._wait_keys(P.encode_wait, keys, timeout, "wait")
-
-    def _wait_keys(
-        self, encode: Callable[[int, list[bytes], int], bytes], keys: list[str], timeout: float, what: str
-    ) -> bytes:
-        kbs = [k.encode() for k in keys]
-        deadline = _monotonic() + timeout
-        while True:
-            done, payload = self._chunk(lambda rid, wait: encode(rid, kbs, wait), deadline, what, keys[0])
-            if done:
-                return payload
-            if _monotonic() >= deadline:
-                raise timeout_error(P.decode_keys(payload) or keys, timeout)
-
-    def _chunk(
-        self, encode: Callable[[int, int], bytes], deadline: float, what: str, key: str
-    ) -> tuple[bool, bytes]:
-        """One server-side wait of at most ttl/3: (True, OK payload) or (False, TIMEOUT payload)."""
-        remaining = deadline - _monotonic()
-        wait = P.wait_ms(min(remaining, self._ping_every)) if remaining > 0 else 0
-        with self._lock:
-            rid = self._rid = self._rid + 1
-            status, payload = self._request(encode(rid, wait), rid, deadline)
-        if status == _OK:
-            return True, payload
-        if status == _TIMEOUT:
-            return False, payload
-        raise self._error(status, payload, what, key)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:

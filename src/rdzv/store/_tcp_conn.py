@@ -4,7 +4,8 @@
 one blocking socket (``TCP_NODELAY``) under one lock. It sends a request and reads its answer,
 sends the void writes without waiting (*pipelined*: their answers, or for quiet SETs the answer
 to any later request, confirm them in order), re-establishes a lost connection within the call's
-timeout (resuming the session and resending every unconfirmed write, in order), and maps the
+timeout (resuming the session and resending every unconfirmed write, in order; after a session
+expired, only what is safe to apply again: :meth:`StoreConnection._drop_unresendable`), and maps the
 server's errors to the rdzv error types. Its keepalive pings an idle connection (called every
 ``session_ttl / 3`` seconds by the one keepalive thread of the process). The handshake of each
 new connection is :mod:`._tcp_handshake`.
@@ -166,12 +167,20 @@ class StoreConnection(ClientHandshake):
                 log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
                 self._disconnect(exc)
 
-    def _drop_unacked_ephemeral(self) -> None:
-        """Forget the unacknowledged ephemeral SETs: resent, they would outlive their session
-        in the new one (a dead node's descriptor kept alive)."""
-        kept = deque(u for u in self._unacked if not _is_ephemeral_set(u[1]))
+    def _drop_unresendable(self) -> list[str]:
+        """The session expired: forget the unacknowledged writes that must not be sent again
+        in the new session (see :data:`~rdzv.server.protocol.RESENDABLE_AFTER_EXPIRY`);
+        returns them, named (``set('key')``), for the error that reports them."""
+        kept: deque[tuple[int, bytes, str, str | None]] = deque()
+        dropped = []
+        for unacked in self._unacked:
+            if P.resendable_after_expiry(unacked[1]):
+                kept.append(unacked)
+            else:
+                dropped.append(f"{unacked[2]}({unacked[3]!r})")
         self._unacked_bytes = sum(len(u[1]) for u in kept)
         self._unacked = kept
+        return dropped
 
     def _check_frame_size(self, frame: bytes) -> None:
         if len(frame) > self._max_frame + 4:
@@ -260,6 +269,7 @@ class StoreConnection(ClientHandshake):
             raise exc
         self._check_frame_size(frame)
         attempts = 1 if reason is not None else 0
+        sent_in = self._session if reason is not None else None  # the session it may have reached
         while True:
             sock = self._sock
             if sock is None:
@@ -275,7 +285,15 @@ class StoreConnection(ClientHandshake):
                 self._connect(deadline, reason)
                 sock = self._sock
                 assert sock is not None
+                if sent_in not in (None, self._session) and not P.resendable_after_expiry(frame):
+                    raise SessionExpiredError(
+                        f"the session {sent_in} of this client at the store server "
+                        f"{self._host}:{self._port} expired while its {P.OP_NAMES[frame[4]]} "
+                        "request was unanswered: it may or may not have been applied, and is "
+                        f"not sent again in the new session {self._session}"
+                    )
             attempts += 1
+            sent_in = self._session
             try:
                 self._last_send = _monotonic()
                 sock.sendall(self._with_held(frame))
@@ -450,7 +468,3 @@ class StoreConnection(ClientHandshake):
         finally:
             self._lock.release()
 
-
-def _is_ephemeral_set(frame: bytes) -> bool:
-    """Whether request ``frame`` is a SET of an ephemeral key (u32 len, u8 op, u32 rid, u8 flags)."""
-    return frame[4] == P.OP_SET and bool(frame[9] & P.FLAG_EPHEMERAL)

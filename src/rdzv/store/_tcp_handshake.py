@@ -48,7 +48,7 @@ class ClientHandshake:
     _max_frame: int
     _reply_timeout: float
 
-    def _drop_unacked_ephemeral(self) -> None:  # pragma: no cover - StoreConnection's
+    def _drop_unresendable(self) -> list[str]:  # pragma: no cover - StoreConnection's
         raise NotImplementedError
 
     @staticmethod
@@ -121,8 +121,10 @@ class ClientHandshake:
         sock.settimeout(None)
         self._set_reply_timeout(sock, self._reply_timeout)
         old = self._session
-        if old and not welcome.resumed:  # the old session's ephemeral writes died with it
-            self._drop_unacked_ephemeral()
+        expired = bool(old) and not welcome.resumed
+        # What the expired session may or may not have applied is resent only where that is
+        # harmless (docs/protocol.md, "Session expiry"): its ephemeral writes died with it.
+        dropped = self._drop_unresendable() if expired else []
         if self._unacked:  # resent first, in order: the server applies each at most once
             sock.sendall(b"".join([f for _, f, _, _ in self._unacked]))
         self._close_stale()  # the server moved the session to this connection
@@ -131,18 +133,24 @@ class ClientHandshake:
         self._session = welcome.session
         self._token = welcome.token
         self._max_frame = welcome.max_frame_size
-        if old and not welcome.resumed:
+        if expired:
             log.warning(
                 "store session %d at %s ended while disconnected; continuing in session %d",
                 old,
                 addr,
                 welcome.session,
             )
-            if self._had_ephemeral:
+            if self._had_ephemeral or dropped:
+                lost = ", and its ephemeral keys with it" if self._had_ephemeral else ""
+                shown = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
+                unsent = (
+                    f"; {len(dropped)} write(s) sent in it were not confirmed and are not sent "
+                    f"again (each may or may not have been applied): {shown}" if dropped else ""
+                )
                 self._had_ephemeral = False
                 raise SessionExpiredError(
                     f"the session {old} of this client at the store server {addr} expired while "
-                    f"disconnected, and its ephemeral keys with it (now in session {welcome.session})"
+                    f"disconnected{lost}{unsent} (now in session {welcome.session})"
                 )
         elif old:
             log.info("resumed store session %d at %s", old, addr)

@@ -26,7 +26,7 @@ from typing import ContextManager, Sequence, cast
 import torch.distributed as dist
 
 from ..store import Store, StoreCapabilities, _queue
-from ..store._base import Reads, Timeout, Value, check_key, to_bytes, to_seconds
+from ..store._base import Conditions, Reads, Timeout, Value, check_key, to_bytes, to_seconds
 from ._errors import torch_errors
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,13 @@ class TorchStore(dist.Store):
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         self._store.multi_set(keys, values)
+
+    @torch_errors
+    def multi_set_if(
+        self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
+    ) -> bool:
+        """rdzv's conditional write (:meth:`rdzv.store.Store.multi_set_if`) of the base store."""
+        return self._store.multi_set_if(conditions, keys, values)
 
     @torch_errors
     def append(self, key: str, value: Value) -> None:  # type: ignore[override]
