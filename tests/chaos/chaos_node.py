@@ -37,7 +37,7 @@ from rdzv.errors import (
     SessionExpiredError,
     StoreTimeoutError,
 )
-from rdzv.rendezvous._engine import DynamicRendezvousHandler
+from rdzv.rendezvous._sealer import Sealer
 
 EXPECTED = (SessionExpiredError, RendezvousConnectionError, RendezvousTimeoutError,
             RendezvousStateError)
@@ -65,9 +65,9 @@ class History:
 def arm_seal_pause(pause_file: str, history: History) -> None:
     """Wrap the engine's private seal step (test code only): with ``pause_file`` present, the
     first node to get there removes it, records ``seal_pause`` and stops itself."""
-    seal: Callable[..., Any] = DynamicRendezvousHandler._seal
+    seal: Callable[..., Any] = Sealer._seal
 
-    def paused_seal(self: DynamicRendezvousHandler, r: int, listed: Any, *args: Any,
+    def paused_seal(self: Sealer, r: int, listed: Any, *args: Any,
                     **kwargs: Any) -> Any:
         try:
             os.unlink(pause_file)
@@ -77,7 +77,7 @@ def arm_seal_pause(pause_file: str, history: History) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
         return seal(self, r, listed, *args, **kwargs)
 
-    DynamicRendezvousHandler._seal = paused_seal  # type: ignore[method-assign]
+    Sealer._seal = paused_seal  # type: ignore[method-assign]
 
 
 class Node:
