@@ -17,7 +17,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from typing import Callable
 
 from ..errors import (
@@ -41,9 +40,6 @@ from ._decisions import (
 )
 from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent
 from ._history_facts import encode_left_mark
-from ._node import KeyLedger, PortReservation
-from ._sealer import Sealer
-from ._views import Membership, membership_change, observe_round
 from ._layout import (
     CLOSED_STATUS,
     Decision,
@@ -54,6 +50,9 @@ from ._layout import (
     decode_status,
     encode_node,
 )
+from ._node import KeyLedger, PortReservation, new_node_id
+from ._sealer import Sealer
+from ._views import Membership, membership_change, observe_round
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +60,7 @@ HISTORY_DEFER = 1.0
 """Seconds a node waits for a round before its own deferred events (its arrival) are written:
 a round that forms sooner has no history write competing with it; they go once the node
 watches its round (``wait_for_membership_change``, ``num_nodes_waiting``) or shuts down."""
+
 
 class DynamicRendezvousHandler(RendezvousHandler):
     """Rounds of nodes formed on any :class:`Store` with the ``ephemeral`` and ``listing``
@@ -133,7 +133,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._open_query_store = query_store
         self._query_store: Store | None = None
         self._query_lock = threading.Lock()
-        self._node_id = self._new_node_id()
+        self._node_id = new_node_id(self._host)
         self._member: Membership | None = None
         self._port: PortReservation | None = None
         """The port this node offers as the bootstrap port, held until its next round."""
@@ -470,15 +470,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._port = PortReservation(self._host)
         return self._port.port
 
-    def _new_node_id(self) -> str:
-        """``host:pid:random``: unique, and the name of this node's keys (no ``/``)."""
-        return f"{self._host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
     def _forget_session(self, exc: SessionExpiredError) -> None:
         """The store session (its ephemeral keys) expired: the others have dropped this node,
         which joins again as a new node, under a new node id (a seal that listed its old
         descriptor just before it vanished must not hand the new node that one's rank)."""
-        old, self._node_id = self._node_id, self._new_node_id()
+        old, self._node_id = self._node_id, new_node_id(self._host)
         self._sealer.node_id = self._node_id
         logger.warning("rendezvous %s: %s lost its session (%s); joining again as new node %s",
                        self._keys.run_id, old, exc, self._node_id)
@@ -486,10 +482,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._keys_held.forget()
 
     def _watch(self, path: str, since: int, seconds: float) -> int:
-        """Wait for ``path`` to change after ``since``, at most ``seconds`` and one store timeout.
-
-        Returns the revision to wait after next time.
-        """
+        """Wait for ``path`` to change after ``since``, at most ``seconds`` and one store
+        timeout; the revision to wait after next time."""
         return max(since, self._store.watch(path, since, self._wait_seconds(seconds)))
 
     def _watch_get(

@@ -7,7 +7,9 @@ deleted while the node is idle (off the critical path) or when it leaves.
 
 from __future__ import annotations
 
+import os
 import socket
+import uuid
 from typing import Iterable
 
 from ..store import Store
@@ -32,6 +34,11 @@ class PortReservation:
 
     def release(self) -> None:
         self._sock.close()
+
+
+def new_node_id(host: str) -> str:
+    """``host:pid:random``: unique, and the name of this node's keys (no ``/``)."""
+    return f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class KeyLedger:
