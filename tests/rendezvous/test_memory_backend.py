@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -11,8 +13,17 @@ from _waiting import eventually
 from rendezvous_contract import RendezvousContract
 
 from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
-from rdzv.rendezvous._layout import Decision, RunKeys, encode_decision, encode_ranks, seal_of
+from rdzv.rendezvous._engine import DynamicRendezvousHandler
+from rdzv.rendezvous._layout import (
+    Decision,
+    RunKeys,
+    decode_rank,
+    encode_decision,
+    encode_ranks,
+    seal_of,
+)
 from rdzv.rendezvous._memory import shared_store
+from rdzv.store import HashStore
 
 _endpoints = itertools.count()
 
@@ -77,3 +88,31 @@ def test_a_rank_record_of_another_decision_than_the_status_is_never_taken():
         assert "10.0.0.9" not in {r["addr"] for r in results}
     finally:
         store.close()
+
+
+class _FewWritesAtOnce(HashStore):
+    """A store that, like etcd (128 operations a transaction), writes at most a few keys in one
+    atomic step: a longer conditional write goes in several."""
+
+    capabilities = replace(HashStore.capabilities, atomic_writes=5)
+
+
+@pytest.mark.parametrize("store_class, fenced", [(HashStore, True), (_FewWritesAtOnce, False)],
+                         ids=["one-step", "several-steps"])
+def test_a_decision_written_in_several_steps_makes_its_members_read_the_status(
+    store_class: type[HashStore], fenced: bool
+) -> None:
+    """A rank record marked "fenced" is taken without reading the round's status, which is
+    only safe if the whole decision was one atomic write. Where it takes several (etcd, above
+    124 nodes), the records say they are not fenced: a member woken between two steps reads
+    the status, and waits for it, instead of taking a decision that may never complete."""
+    store = store_class()
+    handlers = [DynamicRendezvousHandler(store, "job", 2, 2, backend="memory") for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        infos = list(pool.map(lambda handler: handler.next_rendezvous(), handlers))
+    assert sorted(info.rank for info in infos) == [0, 1]
+    keys = RunKeys("job")
+    for handler in handlers:
+        rank_key = keys.rank(0, handler.node_id)
+        assert decode_rank(rank_key, store.get(rank_key))[1].fenced is fenced
+        handler.shutdown()
