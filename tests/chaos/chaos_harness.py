@@ -361,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where histories and logs go (default: a new temporary directory)")
     args = parser.parse_args(argv)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="rdzv-chaos-"))
+    if args.workdir is not None and any(args.workdir.glob("*/nodes")):
+        parser.error(f"--workdir {args.workdir} holds an earlier soak's histories: "
+                     "name a new or empty directory")
     failed = False
     for backend in ("tcp", "etcd") if args.backend == "both" else (args.backend,):
         config = replace(Config(backend), seed=args.seed, duration=args.duration,
