@@ -15,6 +15,8 @@ import pytest
 
 from rdzv.rendezvous import EventWriter, RunEvent, get_rendezvous_handler, read_events
 from rdzv.rendezvous._history import (
+    MAX_EVENT_BYTES,
+    MAX_HISTORY_SIZE,
     decode_event,
     encode_event,
     events_dir,
@@ -27,6 +29,7 @@ from rdzv.rendezvous._history_facts import (
     decode_left_mark,
     encode_left_mark,
     round_cause,
+    previous_members,
     round_formed,
     why_left,
     why_lost,
@@ -112,8 +115,59 @@ def test_round_formed_names_newcomers_and_who_left_why() -> None:
 def test_a_huge_round_keeps_its_event_small() -> None:
     ranks = {f"node-{i:05d}": i for i in range(5000)}
     event = round_formed(0, ranks, dict.fromkeys(ranks), [1.0], None, {}, False, "node-00000")
-    assert len(event.fields["members"]) == 256 and event.fields["members_count"] == 5000
-    assert len(encode_event(event)) < 40_000
+    assert 0 < len(event.fields["members"]) <= 256 and event.fields["members_count"] == 5000
+    assert len(encode_event(event)) <= MAX_EVENT_BYTES
+
+
+def test_a_300_node_round_with_long_ids_fits_the_event_bound() -> None:
+    ids = [f"worker-node-{i:04d}.cluster.example.com:{40000 + i}:0badcafe" for i in range(300)]
+    previous = RunEvent(1, 1.0, "round_formed", 0, ids[0], {"members": ids[:150]})
+    event = round_formed(1, {node: i for i, node in enumerate(ids)}, {}, [1.0], previous,
+                         {}, False, ids[0])
+    assert len(encode_event(event)) <= MAX_EVENT_BYTES
+    assert event.fields["members_count"] == 300 and event.fields["newcomers_count"] == 150
+    assert event.fields["members"] == ids[:len(event.fields["members"])]
+    # the listing of a full history of such events stays under the store's 64 MiB frame
+    key = len(round_event_key(RunKeys("a-run-id-of-64-characters".ljust(64, "x")), 0)) + 16
+    most = MAX_HISTORY_SIZE + prune_slack(MAX_HISTORY_SIZE)
+    assert most * (MAX_EVENT_BYTES + key + 16) < 60 << 20
+
+
+@pytest.mark.parametrize("fields, members", [
+    ({"members": ["a", "b"]}, ["a", "b"]),
+    ({"members": [["x"]]}, None),              # corrupt: not node ids
+    ({"members": ["a", 7]}, None),
+    ({"members": "ab"}, None),
+    ({"members": {"a": 0}}, None),
+    ({}, None),
+    ({"members": ["a"], "members_count": 300}, None),  # clipped: names not all
+])
+def test_previous_members_only_trusts_a_list_of_node_ids(fields: dict[str, Any],
+                                                         members: list[str] | None) -> None:
+    previous = RunEvent(1, 1.0, "round_formed", 4, "a", fields)
+    assert previous_members(previous, 5) == members
+    assert previous_members(previous, 6) is None  # another round's
+    event = round_formed(5, {"a": 0, "b": 1, "c": 2}, {"a": 0, "b": 1, "c": None}, [],
+                         previous, {}, False, "a")
+    assert event.fields["cause"] == ("join" if members else "initial")
+    assert event.fields["newcomers"] == ["c"]
+
+
+def test_a_corrupt_round_event_does_not_fail_the_next_round() -> None:
+    handler = get_rendezvous_handler("memory://corrupt-history?nnodes=1&join_timeout=30")
+    try:
+        assert handler.next_rendezvous().rank == 0
+        store = handler._store  # type: ignore[attr-defined]
+        key = round_event_key(RunKeys("corrupt-history"), 0)
+        record = json.loads(store.get(key))
+        record["fields"] = {"members": [["x"]]}
+        store.set(key, json.dumps(record))
+        info = handler.next_rendezvous()  # round 1 forms, its event written
+        assert info.world_size == 1
+        event = decode_event("k", store.get(round_event_key(RunKeys("corrupt-history"), 1)))
+        assert event.fields["cause"] == "initial"  # the previous round is unknown
+    finally:
+        handler.shutdown()
 
 
 def test_leave_marks_round_trip_and_garbage_reads_as_lost() -> None:
@@ -180,6 +234,24 @@ def test_format_event(kind: str, node: str, rnd: int | None, fields: dict[str, A
     assert line == "23:41:07.120  " + text
 
 
+@pytest.mark.parametrize("kind, fields", [
+    ("round_formed", {"newcomers": 5, "cause": "join"}),
+    ("round_formed", {"left": "x", "formation_s": 1e300, "world_size": [1]}),
+    ("round_formed", {"left": [{"node": 1, "reason": None}, 3], "newcomers": [None, 4]}),
+    ("round_formed", {"formation_s": 10 ** 400}),
+    ("worker_failed", {"signal": {"a": 1}, "error": ["x"], "rank": None}),
+    ("node_lost", {"lost": 5, "silent_s": -3, "reason": 1}),
+    ("training_paused", {"pause_s": "1", "cause": 2}),
+    ("switched_in_process", {"step": {}, "pause_s": [1]}),
+    ("run_closed", {"reason": 7}),
+    ("something_new", {"x": [1, {"y": None}]}),
+])
+def test_format_event_never_fails_on_field_types(kind: str, fields: dict[str, Any]) -> None:
+    for stamp in (1.5, 1e20, float("nan"), float("inf")):  # (a Python caller's, not decoded)
+        line = format_event(RunEvent(1, stamp, kind, 3, "a:1:0badcafe", fields), utc=True)
+        assert "round 3" in line and "\n" not in line
+
+
 def test_short_node_and_seconds() -> None:
     assert short_node("10.0.0.1:4242:0badcafe") == "10.0.0.1:4242"
     assert short_node("::1:4242:0badcafe") == "::1:4242"
@@ -187,6 +259,8 @@ def test_short_node_and_seconds() -> None:
     assert short_node(None) == "?"
     assert [format_seconds(s) for s in (0.0004, 0.25, 2.5, 125, "x")] == \
         ["0 ms", "250 ms", "2.50 s", "2 min 5 s", "?"]
+    assert [format_seconds(s) for s in (float("nan"), float("inf"), -1, 1e300, 10 ** 400,
+                                        True, None)] == ["?"] * 7
 
 
 NOW = datetime(2026, 11, 25, 23, 50, 0).timestamp()
@@ -211,14 +285,29 @@ def test_parse_since_rejects_with_examples(text: str) -> None:
         parse_since(text, NOW)
 
 
+def _record(**values: Any) -> bytes:
+    """A valid event record (``values`` override its own)."""
+    record = {"v": 1, "t": "event", "seq": 7, "time": 1.5, "kind": "round_formed", "round": 0,
+              "node": "a", "fields": {}, **values}
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
 @pytest.mark.parametrize("raw, problem", [
     (b"\x00\xff", "does not hold JSON"),
     (b"[1, 2]", "not an event"),
     (b'{"v": 2, "t": "event"}', "format version 2"),
     (b'{"v": 1, "t": "event", "seq": -1, "time": "x", "kind": "", "round": "3", '
      b'"node": 7, "fields": []}',
-     "seq -1 is not a non-negative integer; time 'x' is not a number; kind '' is not a name; "
-     "round '3' is not an integer; node 7 is not a string; fields '[]' is not an object"),
+     "seq -1 is not a non-negative 64-bit integer; time 'x' is not unix seconds; kind '' is "
+     "not a name; round '3' is not an integer; node 7 is not a string; fields '[]' is not an "
+     "object"),
+    (_record(time=1e20), "time 1e+20 is not unix seconds"),
+    (_record(time=-5), "time -5 is not unix seconds"),
+    (_record(seq=1 << 64), f"seq {1 << 64} is not a non-negative 64-bit integer"),
+    (_record().replace(b'"time":1.5', b'"time":NaN'), "NaN is not a number JSON allows"),
+    (_record().replace(b'"time":1.5', b'"time":Infinity'), "Infinity is not a number JSON"),
+    (_record(fields={"formation_s": "X"}).replace(b'"X"', b"1e400"), "1e400 is out of range"),
+    (_record(fields={"a": [{"b": "X"}]}).replace(b'"X"', b"-Infinity"), "-Infinity is not"),
 ])
 def test_decode_event_names_what_is_wrong(raw: bytes, problem: str) -> None:
     from rdzv.errors import RendezvousStateError

@@ -1,0 +1,82 @@
+"""The bounds of a run's history: how far it may grow, which records pruning deletes (pure), and
+the pruning itself, done by one writer at a time.
+
+Every writer counts the events after each batch it writes (one ``count_keys``). Once they
+exceed the bound by the slack, the writers that saw it compete for a prune marker
+(``rdzv/<run>/history_prune``, one ``compare_set``): the one that takes it lists the history and
+deletes the oldest records back to the bound (pipelined in one :meth:`~rdzv.store.Store.batch`
+where the store pipelines writes), then gives the marker back. The others go on writing: no
+stampede of listings and deletes when every node crosses the bound at the same moment. A marker
+whose holder died is taken over once its lease (:data:`PRUNE_LEASE_S`) has run out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Mapping
+
+from ..store import Store
+
+PRUNE_LEASE_S = 30.0
+"""How long a prune marker is held at most (its holder died: another writer takes it over)."""
+
+
+def prune_slack(limit: int) -> int:
+    """How far past ``limit`` the history may grow before a writer prunes it (pruning works in
+    batches: one count per flush, one listing per batch)."""
+    return min(1000, max(16, limit // 10))
+
+
+def prune_plan(seqs: Mapping[str, int | None], limit: int) -> list[str]:
+    """The keys to delete so that the newest ``limit`` events of ``seqs`` (key -> seq, None for
+    a corrupt record) remain: none until they exceed ``limit + prune_slack(limit)``; then the
+    corrupt ones first, then the oldest (ties by key)."""
+    if len(seqs) <= limit + prune_slack(limit):
+        return []
+    order = sorted(seqs, key=lambda key: (seqs[key] is not None, seqs[key] or 0, key))
+    return order[:len(seqs) - limit]
+
+
+def may_take(marker: bytes | None, now: float) -> bool:
+    """Whether a prune marker's value lets a writer take it: absent, given back, unreadable, or
+    its lease run out."""
+    if marker is None:
+        return True
+    try:
+        until = json.loads(marker).get("until")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return True
+    return not isinstance(until, (int, float)) or isinstance(until, bool) or until <= now
+
+
+def _take(store: Store, marker_key: str, holder: str) -> bytes | None:
+    """Take the prune marker for ``holder``; its new value, or None if another writer holds it
+    (or took it first)."""
+    now = time.time()
+    current = store.try_get(marker_key)
+    if not may_take(current, now):
+        return None
+    mine = json.dumps({"holder": holder, "until": now + PRUNE_LEASE_S}).encode()
+    return mine if store.compare_set(marker_key, current or b"", mine) == mine else None
+
+
+def prune(store: Store, directory: str, marker_key: str, limit: int, holder: str,
+          seq_of: Callable[[str, bytes], int | None]) -> int:
+    """Bring the history under ``directory`` back to its newest ``limit`` records if it has
+    grown past the slack and no other writer is pruning it; the number of records deleted.
+    ``seq_of`` reads a record's seq (None: corrupt). Store errors propagate."""
+    if store.count_keys(directory) <= limit + prune_slack(limit):
+        return 0
+    mine = _take(store, marker_key, holder)
+    if mine is None:
+        return 0
+    try:
+        listed = store.list_keys(directory)
+        doomed = prune_plan({key: seq_of(key, raw) for key, raw in listed.items()}, limit)
+        with store.batch():
+            for key in doomed:
+                store.delete_key(key)
+    finally:
+        store.compare_set(marker_key, mine, json.dumps({"until": 0}).encode())
+    return len(doomed)
