@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from datetime import datetime
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from rdzv.rendezvous import EventWriter, RunEvent, get_rendezvous_handler, read_events
 from rdzv.rendezvous._history import (
+    DEFAULT_HISTORY_SIZE,
     MAX_EVENT_BYTES,
     MAX_HISTORY_SIZE,
     decode_event,
@@ -34,6 +36,7 @@ from rdzv.rendezvous._history_facts import (
     why_left,
     why_lost,
 )
+from rdzv.rendezvous._history_prune import may_take
 from rdzv.rendezvous._layout import RunKeys
 from rdzv.rendezvous._timeline import format_event, format_seconds, parse_since, short_node
 from rdzv.server import StoreServer
@@ -452,3 +455,162 @@ def test_status_events_of_a_run_without_history(server: Any) -> None:
     assert (result.returncode, result.stdout) == (0, "run job: no events\n")
     as_json = rdzv_cli("status", f"tcp://127.0.0.1:{server.port}/job", "--events", "--json")
     assert (as_json.returncode, as_json.stdout) == (0, "")
+
+
+# -- corrupt values, late writes, a writer that survives anything, one pruner at a time ---------
+def _strict_json(line: str) -> Any:
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_status_events_skips_non_finite_records_and_prints_odd_fields(server: Any) -> None:
+    store = client(server)
+    directory = events_dir(RunKeys("job"))
+    store.set(directory + "e0000000000000001.x", _record(time=1e20))
+    store.set(directory + "e0000000000000002.x", _record().replace(b'"time":1.5', b'"time":NaN'))
+    store.set(directory + "e0000000000000003.x",
+              _record(fields={"formation_s": "X"}).replace(b'"X"', b"1e400"))
+    store.set(directory + "e0000000000000004.x",
+              _record(seq=4, fields={"newcomers": 5, "left": "x", "formation_s": 10 ** 30}))
+    store.set(directory + "e0000000000000005.x",
+              _record(seq=5, kind="node_lost", fields={"lost": 5, "silent_s": "long"}))
+    url = f"tcp://127.0.0.1:{server.port}/job"
+    text = rdzv_cli("status", url, "--events")
+    assert text.returncode == 0, text.stderr
+    assert text.stderr.count("skipped a corrupt event") == 3
+    assert "not unix seconds" in text.stderr and "NaN" in text.stderr and "1e400" in text.stderr
+    lines = text.stdout.splitlines()
+    assert len(lines) == 2 and '"newcomers": 5' in lines[0] and "lost" in lines[1]
+    as_json = rdzv_cli("status", url, "--events", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert [_strict_json(line)["seq"] for line in as_json.stdout.splitlines()] == [4, 5]
+    store.close()
+
+
+def test_a_follower_gets_a_write_that_lands_late(server: Any) -> None:
+    """A write whose stamp is older than what the follower already read (a slow write, a host
+    whose clock lags) still comes, once; ``since_seq`` keeps working for older callers."""
+    store = client(server)
+    directory = events_dir(RunKeys("job"))
+    late = new_event("node_waiting", node="late:1")       # stamped first ...
+    early = new_event("node_leaving", node="early:2")
+    store.set(directory + f"e{early.seq:016d}.b", encode_event(early))
+    first = read_events(store, "job")
+    assert [e.node for e in first.events] == ["early:2"]
+    store.set(directory + f"e{late.seq:016d}.a", encode_event(late))  # ... written last
+    second = read_events(store, "job", after=first)
+    assert [e.node for e in second.events] == ["late:1"]
+    assert read_events(store, "job", after=second).events == []
+    assert second.keys == {directory + f"e{early.seq:016d}.b", directory + f"e{late.seq:016d}.a"}
+    # the older poll: by seq
+    assert [e.node for e in read_events(store, "job", since_seq=late.seq).events] == ["early:2"]
+    assert read_events(store, "job", since_seq=early.seq).events == []
+    # the cursor forgets what was pruned
+    store.delete_key(directory + f"e{early.seq:016d}.b")
+    assert read_events(store, "job", after=second).keys == {directory + f"e{late.seq:016d}.a"}
+    store.close()
+
+
+def test_the_writer_drops_what_it_cannot_record_and_lives_on(server: Any, caplog: Any) -> None:
+    store = client(server)
+    opened: list[int] = []
+
+    def flaky() -> TCPStore:  # the first opening fails with an error that is no store error
+        opened.append(1)
+        if len(opened) == 1:
+            raise RuntimeError("a bug in a store factory")
+        return store
+
+    writer = EventWriter(flaky, "job", tag="t")
+    assert writer.record("node_wandering") is None                       # unknown kind
+    assert writer.record("node_lost", lost=object()) is None             # not JSON
+    assert writer.record("node_lost", silent_s=float("nan")) is None     # not finite
+    assert writer.record("node_lost", lost="x" * MAX_EVENT_BYTES) is None  # too large
+    assert writer.dropped == 4
+    assert writer.record("node_waiting", node="a") is not None
+    assert writer.flush(10) and writer.dropped == 5                      # the factory failed
+    assert writer.record("run_closed", node="a") is not None
+    assert writer.flush(10) and writer.dropped == 5                      # the thread lives on
+    assert [e.kind for e in read_events(store, "job").events] == ["run_closed"]
+    assert "RuntimeError: a bug in a store factory" in caplog.text
+    assert "node_wandering" in caplog.text and "not JSON serializable" in caplog.text
+    writer.close(5)
+    store.close()
+
+
+@pytest.mark.parametrize("marker, takes", [
+    (None, True),
+    (b'{"until": 0}', True),                  # given back
+    (b'{"holder": "b", "until": 99.0}', True),   # its holder died: the lease ran out
+    (b'{"holder": "b", "until": 101.0}', False),
+    (b"garbage", True),
+    (b'{"until": "later"}', True),
+])
+def test_prune_marker_may_be_taken(marker: bytes | None, takes: bool) -> None:
+    assert may_take(marker, 100.0) is takes
+
+
+def test_one_writer_prunes_at_a_time(server: Any) -> None:
+    store, limit = client(server), 100  # slack 16
+    directory = events_dir(RunKeys("job"))
+    marker = RunKeys("job").base + "history_prune"
+    held = json.dumps({"holder": "other", "until": time.time() + 60}).encode()
+    writer = EventWriter(store, "job", tag="t", limit=limit)
+    store.set(marker, held)
+    for i in range(120):
+        writer.record("node_waiting", round=i)
+    assert writer.flush(30)
+    assert store.count_keys(directory) == 120  # another writer holds the marker: it prunes
+    store.set(marker, json.dumps({"holder": "other", "until": 0}))  # given back
+    writer.record("node_waiting", round=120)
+    assert writer.flush(30)
+    assert store.count_keys(directory) == limit
+    assert may_take(store.try_get(marker), time.time())  # given back after pruning
+    # past twice the slack, a writer prunes even while another holds the marker
+    store.set(marker, held)
+    for i in range(40):
+        writer.record("node_waiting", round=200 + i)
+        assert writer.flush(30)
+    assert store.count_keys(directory) <= limit + 2 * prune_slack(limit)
+    assert store.try_get(marker) == held  # (not its to give back)
+    writer.close()
+    store.close()
+
+
+def test_the_default_bound_holds_with_concurrent_writers(server: Any) -> None:
+    """Four writers, each on its own connection, write 14,000 events together as fast as they
+    can: the history stays within the default bound (at most twice the slack, plus a batch a
+    writer, while the writers outpace one pruner) and keeps the newest."""
+    limit, writers_n, each = DEFAULT_HISTORY_SIZE, 4, 3500
+    stores = [client(server) for _ in range(writers_n)]
+    writers = [EventWriter(s, "job", tag=f"w{i}") for i, s in enumerate(stores)]
+    directory = events_dir(RunKeys("job"))
+    observer = client(server)
+    most = 0
+
+    def write(i: int) -> None:
+        for n in range(each):
+            writers[i].record("node_waiting", round=n, node=f"w{i}")
+            if n % 500 == 499:
+                writers[i].flush(60)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers_n)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        most = max(most, observer.count_keys(directory))
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(60)
+    assert all(w.flush(60) for w in writers) and sum(w.dropped for w in writers) == 0
+    bound = limit + 2 * prune_slack(limit) + writers_n * EventWriter.BATCH
+    assert most <= bound
+    log = read_events(observer, "job")
+    assert limit <= len(log.events) <= bound and not log.corrupt
+    for i in range(writers_n):  # each writer's newest events are kept
+        assert max(e.round for e in log.events if e.node == f"w{i}") == each - 1  # type: ignore
+    for writer in writers:
+        writer.close()
+    for store in [*stores, observer]:
+        store.close()

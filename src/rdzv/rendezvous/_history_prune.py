@@ -4,10 +4,12 @@ the pruning itself, done by one writer at a time.
 Every writer counts the events after each batch it writes (one ``count_keys``). Once they
 exceed the bound by the slack, the writers that saw it compete for a prune marker
 (``rdzv/<run>/history_prune``, one ``compare_set``): the one that takes it lists the history and
-deletes the oldest records back to the bound (pipelined in one :meth:`~rdzv.store.Store.batch`
-where the store pipelines writes), then gives the marker back. The others go on writing: no
-stampede of listings and deletes when every node crosses the bound at the same moment. A marker
-whose holder died is taken over once its lease (:data:`PRUNE_LEASE_S`) has run out.
+deletes the oldest records back to the bound (in one :meth:`~rdzv.store.Store.batch`, for a
+store that pipelines them), then gives the marker back. The others go on writing: no stampede
+of listings and deletes when every node crosses the bound at the same moment. Should the
+history still grow past twice the slack (the writers outpace the pruner), every writer prunes
+before it writes again: a hard bound. A marker whose holder died is taken over once its lease
+(:data:`PRUNE_LEASE_S`) has run out.
 """
 
 from __future__ import annotations
@@ -66,11 +68,13 @@ def prune(store: Store, directory: str, marker_key: str, limit: int, holder: str
     """Bring the history under ``directory`` back to its newest ``limit`` records if it has
     grown past the slack and no other writer is pruning it; the number of records deleted.
     ``seq_of`` reads a record's seq (None: corrupt). Store errors propagate."""
-    if store.count_keys(directory) <= limit + prune_slack(limit):
+    count = store.count_keys(directory)
+    if count <= limit + prune_slack(limit):
         return 0
     mine = _take(store, marker_key, holder)
-    if mine is None:
-        return 0
+    if mine is None and count <= limit + 2 * prune_slack(limit):
+        return 0  # another writer is pruning
+    # (Past twice the slack the pruner is not keeping up: every writer prunes, none writes.)
     try:
         listed = store.list_keys(directory)
         doomed = prune_plan({key: seq_of(key, raw) for key, raw in listed.items()}, limit)
@@ -78,5 +82,6 @@ def prune(store: Store, directory: str, marker_key: str, limit: int, holder: str
             for key in doomed:
                 store.delete_key(key)
     finally:
-        store.compare_set(marker_key, mine, json.dumps({"until": 0}).encode())
+        if mine is not None:
+            store.compare_set(marker_key, mine, json.dumps({"until": 0}).encode())
     return len(doomed)
