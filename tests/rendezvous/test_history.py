@@ -430,7 +430,7 @@ def test_a_store_that_refuses_history_writes_fails_no_rendezvous() -> None:
         handler = get_rendezvous_handler(url)
         for _ in range(3):
             handler.next_rendezvous()
-        # an event past the server's frame limit: refused with an error
+        # an event past the server's frame limit (and the 4 KiB an event may take): dropped
         handler.record_event("node_lost", lost="x" * (1 << 20))  # type: ignore[attr-defined]
         assert handler.history.flush(30)  # type: ignore[attr-defined]
         assert handler.history.dropped >= 1  # type: ignore[attr-defined]
