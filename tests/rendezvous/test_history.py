@@ -16,16 +16,19 @@ import pytest
 
 from rdzv.rendezvous import EventWriter, RunEvent, get_rendezvous_handler, read_events
 from rdzv.rendezvous._history import (
-    DEFAULT_HISTORY_SIZE,
-    MAX_EVENT_BYTES,
-    MAX_HISTORY_SIZE,
     decode_event,
     encode_event,
     events_dir,
     new_event,
+    round_event_key,
+)
+from rdzv.rendezvous._history_bounds import (
+    DEFAULT_HISTORY_SIZE,
+    MAX_EVENT_BYTES,
+    MAX_HISTORY_SIZE,
+    may_take,
     prune_plan,
     prune_slack,
-    round_event_key,
 )
 from rdzv.rendezvous._history_facts import (
     decode_left_mark,
@@ -36,7 +39,6 @@ from rdzv.rendezvous._history_facts import (
     why_left,
     why_lost,
 )
-from rdzv.rendezvous._history_prune import may_take
 from rdzv.rendezvous._layout import RunKeys
 from rdzv.rendezvous._timeline import format_event, format_seconds, parse_since, short_node
 from rdzv.server import StoreServer

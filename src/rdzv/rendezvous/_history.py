@@ -20,8 +20,8 @@ events in that order. A follower does not rely on ``seq`` to find what is new (a
 late, a host's clock may lag): it passes the last :class:`EventLog` back (``after``) and gets
 the events whose keys it had not seen (keys are unique, the history is bounded).
 
-The history is bounded (``_history_prune.py``): writers prune it to the newest ``history_size``
-events (at most :data:`MAX_HISTORY_SIZE`) once it exceeds that by :func:`prune_slack`, so that
+The history is bounded (``_history_bounds.py``): writers prune it to the newest ``history_size``
+events (capped) once it exceeds that by a slack, so that
 listing it stays far below the store's 64 MiB frame. A record that is not valid is reported in
 :attr:`EventLog.corrupt` and skipped; pruning removes corrupt records first.
 """
@@ -38,26 +38,13 @@ from typing import Any, Callable, Union
 
 from ..errors import RendezvousStateError
 from ..store import Store
-from ._history_prune import prune, prune_plan, prune_slack
+from ._history_bounds import DEFAULT_HISTORY_SIZE, MAX_EVENT_BYTES, capped_limit, prune
 from ._layout import RunKeys
-
-__all__ = ["prune_plan", "prune_slack"]  # (re-exported: the bounds live in _history_prune)
 
 logger = logging.getLogger(__name__)
 
 HISTORY_VERSION = 1
 """The ``"v"`` of every event record."""
-DEFAULT_HISTORY_SIZE = 10_000
-"""The newest events a run keeps (the rendezvous option ``history_size``)."""
-MAX_LIST = 256
-"""Lists in an event (members, newcomers, who left) keep at most this many entries; the full
-length is in ``<name>_count``."""
-MAX_EVENT_BYTES = 4096
-"""An event's record is at most this long: a ``round_formed`` clips its lists further to fit,
-:meth:`EventWriter.record` drops a larger event (logged)."""
-MAX_HISTORY_SIZE = 12_000
-"""``history_size`` is capped to this: the listing of a full history (with its slack, at
-:data:`MAX_EVENT_BYTES` a record) stays below 56 MB, under the store's 64 MiB frame."""
 MAX_TIME = 1e10
 """Event times are unix seconds in [0, MAX_TIME) (year 2286): anything else is corrupt."""
 
@@ -280,10 +267,7 @@ class EventWriter:
             raise ValueError(f"tag {tag!r} must be non-empty without '/'")
         self._store_or_factory = store
         self._keys, self._tag = RunKeys(run_id), tag
-        if limit > MAX_HISTORY_SIZE:
-            logger.warning("history_size %d of run %s is capped to %d (its listing must fit "
-                           "in one store message)", limit, run_id, MAX_HISTORY_SIZE)
-        self._limit, self._max_pending = min(limit, MAX_HISTORY_SIZE), max_pending
+        self._limit, self._max_pending = capped_limit(limit, run_id), max_pending
         self._pending: list[RunEvent] = []
         self._cond = threading.Condition()
         self._busy = False

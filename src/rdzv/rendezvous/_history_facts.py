@@ -15,14 +15,13 @@ from ..errors import RendezvousStateError
 from ..store import Reads
 from ._history import (
     LEAVE_REASONS,
-    MAX_EVENT_BYTES,
-    MAX_LIST,
     RunEvent,
     decode_event,
     encode_event,
     new_event,
     round_event_key,
 )
+from ._history_bounds import MAX_EVENT_BYTES, MAX_LIST
 from ._layout import NodeDescriptor, RunKeys
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,10 @@
-"""The bounds of a run's history: how far it may grow, which records pruning deletes (pure), and
-the pruning itself, done by one writer at a time.
+"""The bounds of a run's history: how large an event and the history may be, how far it may
+grow before it is pruned, which records pruning deletes (pure), and the pruning itself, done by
+one writer at a time.
+
+An event's record is at most :data:`MAX_EVENT_BYTES` and a history keeps at most
+:data:`MAX_HISTORY_SIZE` events (plus the slack): listing the whole history, which one store
+message carries, stays under the store's 64 MiB frame.
 
 Every writer counts the events after each batch it writes (one ``count_keys``). Once they
 exceed the bound by the slack, the writers that saw it compete for a prune marker
@@ -15,13 +20,36 @@ before it writes again: a hard bound. A marker whose holder died is taken over o
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Callable, Mapping
 
 from ..store import Store
 
+logger = logging.getLogger(__name__)
+
+DEFAULT_HISTORY_SIZE = 10_000
+"""The newest events a run keeps (the rendezvous option ``history_size``)."""
+MAX_HISTORY_SIZE = 12_000
+"""``history_size`` is capped to this: the listing of a full history (with its slack, at
+:data:`MAX_EVENT_BYTES` a record) stays below 56 MB, under the store's 64 MiB frame."""
+MAX_LIST = 256
+"""Lists in an event (members, newcomers, who left) keep at most this many entries; the full
+length is in ``<name>_count``."""
+MAX_EVENT_BYTES = 4096
+"""An event's record is at most this long: a ``round_formed`` clips its lists further to fit,
+:meth:`~rdzv.rendezvous.EventWriter.record` drops a larger event (logged)."""
 PRUNE_LEASE_S = 30.0
 """How long a prune marker is held at most (its holder died: another writer takes it over)."""
+
+
+def capped_limit(limit: int, run_id: str) -> int:
+    """``history_size`` ``limit`` of run ``run_id``, capped to :data:`MAX_HISTORY_SIZE` (with a
+    warning: a larger history could not be listed in one store message)."""
+    if limit > MAX_HISTORY_SIZE:
+        logger.warning("history_size %d of run %s is capped to %d (the listing of its history "
+                       "must fit in one store message)", limit, run_id, MAX_HISTORY_SIZE)
+    return min(limit, MAX_HISTORY_SIZE)
 
 
 def prune_slack(limit: int) -> int:
