@@ -21,9 +21,9 @@ late, a host's clock may lag): it passes the last :class:`EventLog` back (``afte
 the events whose keys it had not seen (keys are unique, the history is bounded).
 
 The history is bounded (``_history_bounds.py``): writers prune it to the newest ``history_size``
-events (capped) once it exceeds that by a slack, so that
-listing it stays far below the store's 64 MiB frame. A record that is not valid is reported in
-:attr:`EventLog.corrupt` and skipped; pruning removes corrupt records first.
+events (capped) once it exceeds that by a slack, so that listing it stays far below the store's
+64 MiB frame. A record that is not valid is reported in :attr:`EventLog.corrupt` and skipped;
+pruning removes corrupt records first.
 """
 
 from __future__ import annotations
