@@ -157,10 +157,17 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert all(set(r) == {"seq", "time", "kind", "round", "node", "fields"} for r in records)
     assert [r["time"] for r in records] == sorted(r["time"] for r in records)
-    # --follow printed the same history as it came, each event once (and stopped when the run
-    # closed); an event written in the background may come after a newer one
-    assert sorted(json.loads(line)["seq"] for line in followed.splitlines()) == \
-        sorted(r["seq"] for r in records)
+    # --follow printed the history as it came, each event once, and stopped when the run
+    # closed; an event written in the background may come after a newer one, and one written
+    # well after the close (a last flush) may come after it stopped
+    def ident(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["seq"], r["kind"], r["node"], r["round"]
+
+    followed_ids = [ident(json.loads(line)) for line in followed.splitlines()]
+    assert len(followed_ids) == len(set(followed_ids))
+    assert set(followed_ids) <= {ident(r) for r in records}
+    before_close = {ident(r) for r in records if r["time"] <= shrunk.time}
+    assert before_close <= set(followed_ids)
 
     def index(kind: str, start: int = 0, **match: Any) -> int:
         for i in range(start, len(records)):
@@ -174,7 +181,11 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
     rounds = {r["round"]: r for r in records if r["kind"] == "round_formed"}
     c_id = next(n for n in rounds[joined.round]["fields"]["newcomers"])
     d_id = next(n for n in rounds[grown.round]["fields"]["newcomers"])
-    lost_reason = "heartbeat_missed" if name == "etcd" else "connection_lost"
+    # SIGKILL: rdzv's server and the file store see the connection end at once, unless the
+    # machine is so loaded that the survivor notices only after the session ttl: either is a
+    # right answer; etcd sees only the lease run out
+    lost_reasons = {"heartbeat_missed"} if name == "etcd" else {"connection_lost",
+                                                                 "heartbeat_missed"}
     i = index("round_formed", round=first.round, world_size=2, cause="initial")
     i = index("workers_started", i)
     i = index("node_waiting", i)
@@ -188,7 +199,9 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
     i = index("round_formed", i, round=restarted.round, cause="restart")
     i = index("training_paused", i, cause="worker_failed")
     i = index("round_formed", i, round=grown.round, newcomers=[d_id], cause="join")
-    i = index("node_lost", i, lost=d_id, reason=lost_reason)
+    i = index("node_lost", i, lost=d_id)
+    lost_reason = records[i]["fields"]["reason"]
+    assert lost_reason in lost_reasons, records[i]
     i = index("round_formed", i, round=shrunk.round, cause="loss",
               left=[{"node": d_id, "reason": lost_reason}])
     i = index("training_paused", i, cause="membership_change")

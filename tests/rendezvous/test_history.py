@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from datetime import datetime
 from typing import Any
 
@@ -19,14 +20,21 @@ from rdzv.rendezvous._history import (
     encode_event,
     events_dir,
     new_event,
+    round_event_key,
+)
+from rdzv.rendezvous._history_bounds import (
+    DEFAULT_HISTORY_SIZE,
+    MAX_EVENT_BYTES,
+    MAX_HISTORY_SIZE,
+    may_take,
     prune_plan,
     prune_slack,
-    round_event_key,
 )
 from rdzv.rendezvous._history_facts import (
     decode_left_mark,
     encode_left_mark,
     round_cause,
+    previous_members,
     round_formed,
     why_left,
     why_lost,
@@ -112,8 +120,59 @@ def test_round_formed_names_newcomers_and_who_left_why() -> None:
 def test_a_huge_round_keeps_its_event_small() -> None:
     ranks = {f"node-{i:05d}": i for i in range(5000)}
     event = round_formed(0, ranks, dict.fromkeys(ranks), [1.0], None, {}, False, "node-00000")
-    assert len(event.fields["members"]) == 256 and event.fields["members_count"] == 5000
-    assert len(encode_event(event)) < 40_000
+    assert 0 < len(event.fields["members"]) <= 256 and event.fields["members_count"] == 5000
+    assert len(encode_event(event)) <= MAX_EVENT_BYTES
+
+
+def test_a_300_node_round_with_long_ids_fits_the_event_bound() -> None:
+    ids = [f"worker-node-{i:04d}.cluster.example.com:{40000 + i}:0badcafe" for i in range(300)]
+    previous = RunEvent(1, 1.0, "round_formed", 0, ids[0], {"members": ids[:150]})
+    event = round_formed(1, {node: i for i, node in enumerate(ids)}, {}, [1.0], previous,
+                         {}, False, ids[0])
+    assert len(encode_event(event)) <= MAX_EVENT_BYTES
+    assert event.fields["members_count"] == 300 and event.fields["newcomers_count"] == 150
+    assert event.fields["members"] == ids[:len(event.fields["members"])]
+    # the listing of a full history of such events stays under the store's 64 MiB frame
+    key = len(round_event_key(RunKeys("a-run-id-of-64-characters".ljust(64, "x")), 0)) + 16
+    most = MAX_HISTORY_SIZE + prune_slack(MAX_HISTORY_SIZE)
+    assert most * (MAX_EVENT_BYTES + key + 16) < 60 << 20
+
+
+@pytest.mark.parametrize("fields, members", [
+    ({"members": ["a", "b"]}, ["a", "b"]),
+    ({"members": [["x"]]}, None),              # corrupt: not node ids
+    ({"members": ["a", 7]}, None),
+    ({"members": "ab"}, None),
+    ({"members": {"a": 0}}, None),
+    ({}, None),
+    ({"members": ["a"], "members_count": 300}, None),  # clipped: names not all
+])
+def test_previous_members_only_trusts_a_list_of_node_ids(fields: dict[str, Any],
+                                                         members: list[str] | None) -> None:
+    previous = RunEvent(1, 1.0, "round_formed", 4, "a", fields)
+    assert previous_members(previous, 5) == members
+    assert previous_members(previous, 6) is None  # another round's
+    event = round_formed(5, {"a": 0, "b": 1, "c": 2}, {"a": 0, "b": 1, "c": None}, [],
+                         previous, {}, False, "a")
+    assert event.fields["cause"] == ("join" if members else "initial")
+    assert event.fields["newcomers"] == ["c"]
+
+
+def test_a_corrupt_round_event_does_not_fail_the_next_round() -> None:
+    handler = get_rendezvous_handler("memory://corrupt-history?nnodes=1&join_timeout=30")
+    try:
+        assert handler.next_rendezvous().rank == 0
+        store = handler._store  # type: ignore[attr-defined]
+        key = round_event_key(RunKeys("corrupt-history"), 0)
+        record = json.loads(store.get(key))
+        record["fields"] = {"members": [["x"]]}
+        store.set(key, json.dumps(record))
+        info = handler.next_rendezvous()  # round 1 forms, its event written
+        assert info.world_size == 1
+        event = decode_event("k", store.get(round_event_key(RunKeys("corrupt-history"), 1)))
+        assert event.fields["cause"] == "initial"  # the previous round is unknown
+    finally:
+        handler.shutdown()
 
 
 def test_leave_marks_round_trip_and_garbage_reads_as_lost() -> None:
@@ -180,6 +239,24 @@ def test_format_event(kind: str, node: str, rnd: int | None, fields: dict[str, A
     assert line == "23:41:07.120  " + text
 
 
+@pytest.mark.parametrize("kind, fields", [
+    ("round_formed", {"newcomers": 5, "cause": "join"}),
+    ("round_formed", {"left": "x", "formation_s": 1e300, "world_size": [1]}),
+    ("round_formed", {"left": [{"node": 1, "reason": None}, 3], "newcomers": [None, 4]}),
+    ("round_formed", {"formation_s": 10 ** 400}),
+    ("worker_failed", {"signal": {"a": 1}, "error": ["x"], "rank": None}),
+    ("node_lost", {"lost": 5, "silent_s": -3, "reason": 1}),
+    ("training_paused", {"pause_s": "1", "cause": 2}),
+    ("switched_in_process", {"step": {}, "pause_s": [1]}),
+    ("run_closed", {"reason": 7}),
+    ("something_new", {"x": [1, {"y": None}]}),
+])
+def test_format_event_never_fails_on_field_types(kind: str, fields: dict[str, Any]) -> None:
+    for stamp in (1.5, 1e20, float("nan"), float("inf")):  # (a Python caller's, not decoded)
+        line = format_event(RunEvent(1, stamp, kind, 3, "a:1:0badcafe", fields), utc=True)
+        assert "round 3" in line and "\n" not in line
+
+
 def test_short_node_and_seconds() -> None:
     assert short_node("10.0.0.1:4242:0badcafe") == "10.0.0.1:4242"
     assert short_node("::1:4242:0badcafe") == "::1:4242"
@@ -187,6 +264,8 @@ def test_short_node_and_seconds() -> None:
     assert short_node(None) == "?"
     assert [format_seconds(s) for s in (0.0004, 0.25, 2.5, 125, "x")] == \
         ["0 ms", "250 ms", "2.50 s", "2 min 5 s", "?"]
+    assert [format_seconds(s) for s in (float("nan"), float("inf"), -1, 1e300, 10 ** 400,
+                                        True, None)] == ["?"] * 7
 
 
 NOW = datetime(2026, 11, 25, 23, 50, 0).timestamp()
@@ -211,14 +290,29 @@ def test_parse_since_rejects_with_examples(text: str) -> None:
         parse_since(text, NOW)
 
 
+def _record(**values: Any) -> bytes:
+    """A valid event record (``values`` override its own)."""
+    record = {"v": 1, "t": "event", "seq": 7, "time": 1.5, "kind": "round_formed", "round": 0,
+              "node": "a", "fields": {}, **values}
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
 @pytest.mark.parametrize("raw, problem", [
     (b"\x00\xff", "does not hold JSON"),
     (b"[1, 2]", "not an event"),
     (b'{"v": 2, "t": "event"}', "format version 2"),
     (b'{"v": 1, "t": "event", "seq": -1, "time": "x", "kind": "", "round": "3", '
      b'"node": 7, "fields": []}',
-     "seq -1 is not a non-negative integer; time 'x' is not a number; kind '' is not a name; "
-     "round '3' is not an integer; node 7 is not a string; fields '[]' is not an object"),
+     "seq -1 is not a non-negative 64-bit integer; time 'x' is not unix seconds; kind '' is "
+     "not a name; round '3' is not an integer; node 7 is not a string; fields '[]' is not an "
+     "object"),
+    (_record(time=1e20), "time 1e+20 is not unix seconds"),
+    (_record(time=-5), "time -5 is not unix seconds"),
+    (_record(seq=1 << 64), f"seq {1 << 64} is not a non-negative 64-bit integer"),
+    (_record().replace(b'"time":1.5', b'"time":NaN'), "NaN is not a number JSON allows"),
+    (_record().replace(b'"time":1.5', b'"time":Infinity'), "Infinity is not a number JSON"),
+    (_record(fields={"formation_s": "X"}).replace(b'"X"', b"1e400"), "1e400 is out of range"),
+    (_record(fields={"a": [{"b": "X"}]}).replace(b'"X"', b"-Infinity"), "-Infinity is not"),
 ])
 def test_decode_event_names_what_is_wrong(raw: bytes, problem: str) -> None:
     from rdzv.errors import RendezvousStateError
@@ -338,7 +432,7 @@ def test_a_store_that_refuses_history_writes_fails_no_rendezvous() -> None:
         handler = get_rendezvous_handler(url)
         for _ in range(3):
             handler.next_rendezvous()
-        # an event past the server's frame limit: refused with an error
+        # an event past the server's frame limit (and the 4 KiB an event may take): dropped
         handler.record_event("node_lost", lost="x" * (1 << 20))  # type: ignore[attr-defined]
         assert handler.history.flush(30)  # type: ignore[attr-defined]
         assert handler.history.dropped >= 1  # type: ignore[attr-defined]
@@ -363,3 +457,162 @@ def test_status_events_of_a_run_without_history(server: Any) -> None:
     assert (result.returncode, result.stdout) == (0, "run job: no events\n")
     as_json = rdzv_cli("status", f"tcp://127.0.0.1:{server.port}/job", "--events", "--json")
     assert (as_json.returncode, as_json.stdout) == (0, "")
+
+
+# -- corrupt values, late writes, a writer that survives anything, one pruner at a time ---------
+def _strict_json(line: str) -> Any:
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_status_events_skips_non_finite_records_and_prints_odd_fields(server: Any) -> None:
+    store = client(server)
+    directory = events_dir(RunKeys("job"))
+    store.set(directory + "e0000000000000001.x", _record(time=1e20))
+    store.set(directory + "e0000000000000002.x", _record().replace(b'"time":1.5', b'"time":NaN'))
+    store.set(directory + "e0000000000000003.x",
+              _record(fields={"formation_s": "X"}).replace(b'"X"', b"1e400"))
+    store.set(directory + "e0000000000000004.x",
+              _record(seq=4, fields={"newcomers": 5, "left": "x", "formation_s": 10 ** 30}))
+    store.set(directory + "e0000000000000005.x",
+              _record(seq=5, kind="node_lost", fields={"lost": 5, "silent_s": "long"}))
+    url = f"tcp://127.0.0.1:{server.port}/job"
+    text = rdzv_cli("status", url, "--events")
+    assert text.returncode == 0, text.stderr
+    assert text.stderr.count("skipped a corrupt event") == 3
+    assert "not unix seconds" in text.stderr and "NaN" in text.stderr and "1e400" in text.stderr
+    lines = text.stdout.splitlines()
+    assert len(lines) == 2 and '"newcomers": 5' in lines[0] and "lost" in lines[1]
+    as_json = rdzv_cli("status", url, "--events", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert [_strict_json(line)["seq"] for line in as_json.stdout.splitlines()] == [4, 5]
+    store.close()
+
+
+def test_a_follower_gets_a_write_that_lands_late(server: Any) -> None:
+    """A write whose stamp is older than what the follower already read (a slow write, a host
+    whose clock lags) still comes, once; ``since_seq`` keeps working for older callers."""
+    store = client(server)
+    directory = events_dir(RunKeys("job"))
+    late = new_event("node_waiting", node="late:1")       # stamped first ...
+    early = new_event("node_leaving", node="early:2")
+    store.set(directory + f"e{early.seq:016d}.b", encode_event(early))
+    first = read_events(store, "job")
+    assert [e.node for e in first.events] == ["early:2"]
+    store.set(directory + f"e{late.seq:016d}.a", encode_event(late))  # ... written last
+    second = read_events(store, "job", after=first)
+    assert [e.node for e in second.events] == ["late:1"]
+    assert read_events(store, "job", after=second).events == []
+    assert second.keys == {directory + f"e{early.seq:016d}.b", directory + f"e{late.seq:016d}.a"}
+    # the older poll: by seq
+    assert [e.node for e in read_events(store, "job", since_seq=late.seq).events] == ["early:2"]
+    assert read_events(store, "job", since_seq=early.seq).events == []
+    # the cursor forgets what was pruned
+    store.delete_key(directory + f"e{early.seq:016d}.b")
+    assert read_events(store, "job", after=second).keys == {directory + f"e{late.seq:016d}.a"}
+    store.close()
+
+
+def test_the_writer_drops_what_it_cannot_record_and_lives_on(server: Any, caplog: Any) -> None:
+    store = client(server)
+    opened: list[int] = []
+
+    def flaky() -> TCPStore:  # the first opening fails with an error that is no store error
+        opened.append(1)
+        if len(opened) == 1:
+            raise RuntimeError("a bug in a store factory")
+        return store
+
+    writer = EventWriter(flaky, "job", tag="t")
+    assert writer.record("node_wandering") is None                       # unknown kind
+    assert writer.record("node_lost", lost=object()) is None             # not JSON
+    assert writer.record("node_lost", silent_s=float("nan")) is None     # not finite
+    assert writer.record("node_lost", lost="x" * MAX_EVENT_BYTES) is None  # too large
+    assert writer.dropped == 4
+    assert writer.record("node_waiting", node="a") is not None
+    assert writer.flush(10) and writer.dropped == 5                      # the factory failed
+    assert writer.record("run_closed", node="a") is not None
+    assert writer.flush(10) and writer.dropped == 5                      # the thread lives on
+    assert [e.kind for e in read_events(store, "job").events] == ["run_closed"]
+    assert "RuntimeError: a bug in a store factory" in caplog.text
+    assert "node_wandering" in caplog.text and "not JSON serializable" in caplog.text
+    writer.close(5)
+    store.close()
+
+
+@pytest.mark.parametrize("marker, takes", [
+    (None, True),
+    (b'{"until": 0}', True),                  # given back
+    (b'{"holder": "b", "until": 99.0}', True),   # its holder died: the lease ran out
+    (b'{"holder": "b", "until": 101.0}', False),
+    (b"garbage", True),
+    (b'{"until": "later"}', True),
+])
+def test_prune_marker_may_be_taken(marker: bytes | None, takes: bool) -> None:
+    assert may_take(marker, 100.0) is takes
+
+
+def test_one_writer_prunes_at_a_time(server: Any) -> None:
+    store, limit = client(server), 100  # slack 16
+    directory = events_dir(RunKeys("job"))
+    marker = RunKeys("job").base + "history_prune"
+    held = json.dumps({"holder": "other", "until": time.time() + 60}).encode()
+    writer = EventWriter(store, "job", tag="t", limit=limit)
+    store.set(marker, held)
+    for i in range(120):
+        writer.record("node_waiting", round=i)
+    assert writer.flush(30)
+    assert store.count_keys(directory) == 120  # another writer holds the marker: it prunes
+    store.set(marker, json.dumps({"holder": "other", "until": 0}))  # given back
+    writer.record("node_waiting", round=120)
+    assert writer.flush(30)
+    assert store.count_keys(directory) == limit
+    assert may_take(store.try_get(marker), time.time())  # given back after pruning
+    # past twice the slack, a writer prunes even while another holds the marker
+    store.set(marker, held)
+    for i in range(40):
+        writer.record("node_waiting", round=200 + i)
+        assert writer.flush(30)
+    assert store.count_keys(directory) <= limit + 2 * prune_slack(limit)
+    assert store.try_get(marker) == held  # (not its to give back)
+    writer.close()
+    store.close()
+
+
+def test_the_default_bound_holds_with_concurrent_writers(server: Any) -> None:
+    """Four writers, each on its own connection, write 14,000 events together as fast as they
+    can: the history stays within the default bound (at most twice the slack, plus a batch a
+    writer, while the writers outpace one pruner) and keeps the newest."""
+    limit, writers_n, each = DEFAULT_HISTORY_SIZE, 4, 3500
+    stores = [client(server) for _ in range(writers_n)]
+    writers = [EventWriter(s, "job", tag=f"w{i}") for i, s in enumerate(stores)]
+    directory = events_dir(RunKeys("job"))
+    observer = client(server)
+    most = 0
+
+    def write(i: int) -> None:
+        for n in range(each):
+            writers[i].record("node_waiting", round=n, node=f"w{i}")
+            if n % 500 == 499:
+                writers[i].flush(60)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers_n)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        most = max(most, observer.count_keys(directory))
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(60)
+    assert all(w.flush(60) for w in writers) and sum(w.dropped for w in writers) == 0
+    bound = limit + 2 * prune_slack(limit) + writers_n * EventWriter.BATCH
+    assert most <= bound
+    log = read_events(observer, "job")
+    assert limit <= len(log.events) <= bound and not log.corrupt
+    for i in range(writers_n):  # each writer's newest events are kept
+        assert max(e.round for e in log.events if e.node == f"w{i}") == each - 1  # type: ignore
+    for writer in writers:
+        writer.close()
+    for store in [*stores, observer]:
+        store.close()

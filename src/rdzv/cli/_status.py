@@ -17,8 +17,8 @@ USAGE_ERROR = 2
 FOLLOW_POLL = 0.5
 """Seconds between reads of the history with --follow (a write wakes the reader sooner)."""
 SETTLE = 0.5
-"""With --follow, events younger than this wait for the next read: one written a little late
-(a background writer, another host's clock) is not skipped."""
+"""With --follow, how long to let a burst of writes land before reading (and to wait for a
+closed run's last events); an event written later still comes with a later read."""
 
 
 def register(subparsers: Any) -> None:
@@ -147,7 +147,7 @@ def events_command(args: argparse.Namespace, store: "Store", run_id: str) -> int
     """``--events``: print the history of ``run_id`` as a timeline or JSON lines, once or
     followed (the store is closed by the caller)."""
     from ..errors import RendezvousError
-    from ..rendezvous._history import events_dir, read_events
+    from ..rendezvous._history import EventLog, events_dir, read_events
     from ..rendezvous._layout import RunKeys
     from ..rendezvous._timeline import parse_since
 
@@ -160,14 +160,13 @@ def events_command(args: argparse.Namespace, store: "Store", run_id: str) -> int
     reported: set[str] = set()
     printed = 0
     seen_closed = False
-    next_seq = int(since_time * 1e6) if since_time is not None else 0
+    log: EventLog | None = None
     try:
         while True:
             revision = store.revision(events_dir(keys)) if args.follow else 0
             closed = args.follow and store.try_get(keys.closed) is not None
-            # Once the run is closed the last events are read whole: nothing settles later.
-            log = read_events(store, run_id, since_seq=next_seq,
-                              settle_s=SETTLE if args.follow and not closed else 0.0)
+            # The events not printed yet, by key: however late a write lands, it comes.
+            log = read_events(store, run_id, after=log)
             for message in log.corrupt:
                 if message not in reported:
                     reported.add(message)
@@ -176,7 +175,6 @@ def events_command(args: argparse.Namespace, store: "Store", run_id: str) -> int
                 if since_time is None or event.time >= since_time:
                     _print(event, args.json)
                     printed += 1
-            next_seq = log.next_seq
             if not args.follow:
                 if printed == 0 and not args.json:
                     print(f"run {run_id}: no events" + (" in that time" if args.since else ""))

@@ -12,41 +12,41 @@ key                                event
 =================================  ============================================================
 
 A value is a JSON object ``{"v": 1, "t": "event", "seq", "time", "kind", "round", "node",
-"fields"}``. ``seq`` is the writer's wall clock in microseconds when it wrote the event, made
-strictly increasing within a process: it orders the writes of a run (gaps allowed) with no
-store round trip; ``time`` is when the event happened (earlier for an event written in the
-background), and the reader returns events in that order. Writes at the same moment on two
-hosts are ordered to within their clocks' skew; a follower (``since_seq``) passes ``settle_s``
-to read only events written at least that long ago, so that one that reaches the store a
-little late (a skewed clock, a slow write) is not skipped.
+"fields"}`` of at most :data:`MAX_EVENT_BYTES`, with finite numbers only. ``seq`` is the writer's
+wall clock in microseconds right before it wrote the event, made strictly increasing within a
+process: it orders the writes of a run (gaps allowed) with no store round trip; ``time`` is when
+the event happened (earlier for an event written in the background), and the reader returns
+events in that order. A follower does not rely on ``seq`` to find what is new (a write may land
+late, a host's clock may lag): it passes the last :class:`EventLog` back (``after``) and gets
+the events whose keys it had not seen (keys are unique, the history is bounded).
 
-The history is bounded: writers prune it (:func:`prune_plan`) to the newest ``history_size``
-events once it exceeds that by :func:`prune_slack`. A record that is not valid is reported in
-:attr:`EventLog.corrupt` and skipped; pruning removes corrupt records first.
+The history is bounded (``_history_bounds.py``): writers prune it to the newest ``history_size``
+events (capped) once it exceeds that by a slack, so that listing it stays far below the store's
+64 MiB frame. A record that is not valid is reported in :attr:`EventLog.corrupt` and skipped;
+pruning removes corrupt records first.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Union
 
-from ..errors import RendezvousError, RendezvousStateError
+from ..errors import RendezvousStateError
 from ..store import Store
+from ._history_bounds import DEFAULT_HISTORY_SIZE, MAX_EVENT_BYTES, capped_limit, prune
 from ._layout import RunKeys
 
 logger = logging.getLogger(__name__)
 
 HISTORY_VERSION = 1
 """The ``"v"`` of every event record."""
-DEFAULT_HISTORY_SIZE = 10_000
-"""The newest events a run keeps (the rendezvous option ``history_size``)."""
-MAX_LIST = 256
-"""Lists in an event (members, newcomers, who left) keep at most this many entries; the full
-length is in ``<name>_count``."""
+MAX_TIME = 1e10
+"""Event times are unix seconds in [0, MAX_TIME) (year 2286): anything else is corrupt."""
 
 EVENT_KINDS = (
     "round_formed",
@@ -104,7 +104,11 @@ class EventLog:
     corrupt: list[str]
     """One message per unreadable record (reported, skipped)."""
     next_seq: int
-    """Pass as ``since_seq`` to get only newer events (``--follow``, polling)."""
+    """The highest ``seq`` returned (or the ``since_seq`` given): a coarse cut for polling;
+    a follower passes the log itself as ``after`` instead (it misses no late write)."""
+    keys: frozenset[str] = frozenset()
+    """The keys of the events this read returned or had already seen (``after``,
+    ``since_seq``), of those still stored: a follower's cursor, bounded like the history."""
 
 
 def events_dir(keys: RunKeys) -> str:
@@ -146,24 +150,32 @@ def new_event(kind: str, *, round: int | None = None, node: str | None = None,
                     {name: value for name, value in fields.items() if value is not None})
 
 
-def clip(values: Iterable[Any]) -> list[Any]:
-    """At most :data:`MAX_LIST` of ``values`` (an event stays small however large the job)."""
-    out = list(values)
-    return out[:MAX_LIST]
-
-
 def encode_event(event: RunEvent) -> bytes:
+    """The record of ``event``; ValueError (NaN, infinity) or TypeError (not JSON) if a value
+    cannot be one."""
     return json.dumps({"v": HISTORY_VERSION, "t": "event", **event.to_json()},
-                      separators=(",", ":")).encode()
+                      separators=(",", ":"), allow_nan=False).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 def decode_event(key: str, raw: bytes) -> RunEvent:
     """The event in ``raw``; RendezvousStateError naming ``key`` if it is not a valid one."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise RendezvousStateError(
-            f"history key {key!r} does not hold JSON ({raw[:40]!r})") from None
+            f"history key {key!r} does not hold JSON with finite numbers ({raw[:40]!r}: "
+            f"{str(exc)[:60]})") from None
     if not isinstance(data, dict) or data.get("t") != "event":
         raise RendezvousStateError(f"history key {key!r} holds {str(data)[:60]!r}, not an event")
     if data.get("v") != HISTORY_VERSION:
@@ -173,10 +185,11 @@ def decode_event(key: str, raw: bytes) -> RunEvent:
     seq, stamp, kind = data.get("seq"), data.get("time"), data.get("kind")
     round_, node, fields = data.get("round"), data.get("node"), data.get("fields")
     problems = []
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        problems.append(f"seq {seq!r} is not a non-negative integer")
-    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool):
-        problems.append(f"time {stamp!r} is not a number")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 1 << 63:
+        problems.append(f"seq {seq!r} is not a non-negative 64-bit integer")
+    if (not isinstance(stamp, (int, float)) or isinstance(stamp, bool)
+            or not 0 <= stamp < MAX_TIME):
+        problems.append(f"time {stamp!r} is not unix seconds")
     if not isinstance(kind, str) or not kind:
         problems.append(f"kind {kind!r} is not a name")
     if round_ is not None and (not isinstance(round_, int) or isinstance(round_, bool)):
@@ -190,43 +203,38 @@ def decode_event(key: str, raw: bytes) -> RunEvent:
     return RunEvent(seq, float(stamp), kind, round_, node, fields)  # type: ignore[arg-type]
 
 
-def read_events(store: Store, run_id: str, *, since_seq: int = 0,
-                settle_s: float = 0.0) -> EventLog:
-    """The history of run ``run_id`` in ``store``: the events with ``seq > since_seq``, oldest
-    first. ``settle_s`` > 0 leaves out events stamped less than that long ago (they come with a
-    later call): a follower then misses none written a little late. Never raises for a corrupt
-    record (it is reported in :attr:`EventLog.corrupt`); a store error propagates."""
+def read_events(store: Store, run_id: str, *, after: EventLog | None = None,
+                since_seq: int = 0, settle_s: float = 0.0) -> EventLog:
+    """The history of run ``run_id`` in ``store``, oldest first. Never raises for a corrupt
+    record (it is reported in :attr:`EventLog.corrupt`); a store error propagates.
+
+    ``after``: a log this function returned before: only the events it had not seen (a
+    follower passes each log back; it misses none, however late a write lands). ``since_seq``
+    leaves out events with ``seq <= since_seq``, and ``settle_s`` > 0 those stamped less than
+    that long ago (they come with a later call): a cruder way to poll, which misses a write
+    that lands later than ``settle_s`` after its stamp."""
     directory = events_dir(RunKeys(run_id))
     listed = store.list_keys(directory)
-    events, corrupt = [], []
+    seen = after.keys if after is not None else frozenset()
+    events, corrupt, known = [], [], []
     horizon = int((time.time() - settle_s) * 1e6) if settle_s > 0 else None
     for key in sorted(listed):
+        if key in seen:
+            known.append(key)
+            continue
         try:
             event = decode_event(key, listed[key])
         except RendezvousStateError as exc:
             corrupt.append(str(exc))
             continue
-        if event.seq > since_seq and (horizon is None or event.seq <= horizon):
+        if event.seq <= since_seq:
+            known.append(key)
+        elif horizon is None or event.seq <= horizon:
             events.append(event)
+            known.append(key)
     events.sort(key=lambda event: (event.time, event.seq))
-    return EventLog(events, corrupt, max((event.seq for event in events), default=since_seq))
-
-
-# -- bounds ---------------------------------------------------------------------------------------
-def prune_slack(limit: int) -> int:
-    """How far past ``limit`` the history may grow before a writer prunes it (pruning works in
-    batches: one count per flush, one listing per batch)."""
-    return min(1000, max(16, limit // 10))
-
-
-def prune_plan(seqs: Mapping[str, int | None], limit: int) -> list[str]:
-    """The keys to delete so that the newest ``limit`` events of ``seqs`` (key -> seq, None for
-    a corrupt record) remain: none until they exceed ``limit + prune_slack(limit)``; then the
-    corrupt ones first, then the oldest (ties by key)."""
-    if len(seqs) <= limit + prune_slack(limit):
-        return []
-    order = sorted(seqs, key=lambda key: (seqs[key] is not None, seqs[key] or 0, key))
-    return order[:len(seqs) - limit]
+    return EventLog(events, corrupt, max((event.seq for event in events), default=since_seq),
+                    frozenset(known))
 
 
 def _seq_of(key: str, raw: bytes) -> int | None:
@@ -236,26 +244,14 @@ def _seq_of(key: str, raw: bytes) -> int | None:
         return None
 
 
-def prune(store: Store, run_id: str, limit: int) -> int:
-    """Bring run ``run_id``'s history back to its newest ``limit`` events if it has grown past
-    the slack; the number of records deleted. Store errors propagate."""
-    directory = events_dir(RunKeys(run_id))
-    if store.count_keys(directory) <= limit + prune_slack(limit):
-        return 0
-    listed = store.list_keys(directory)
-    doomed = prune_plan({key: _seq_of(key, raw) for key, raw in listed.items()}, limit)
-    for key in doomed:
-        store.delete_key(key)
-    return len(doomed)
-
-
 # -- the writer -----------------------------------------------------------------------------------
 class EventWriter:
     """Writes events to a run's history from a background thread, off every critical path.
 
     ``store`` may be a function that opens it: it is then called by the writer's thread.
 
-    :meth:`record` never blocks and never raises: events wait in a bounded queue (the oldest
+    :meth:`record` never blocks and never raises (an event it cannot record, an unknown kind or
+    a value that is not JSON, is logged and dropped): events wait in a bounded queue (the oldest
     waiting ones are dropped past ``max_pending``) and a thread writes them in batches (one
     ``multi_set`` each), then prunes the history when it has grown past its bound. A write the
     store refuses (gone, full, closed) is logged and dropped: the history never fails a run.
@@ -271,7 +267,7 @@ class EventWriter:
             raise ValueError(f"tag {tag!r} must be non-empty without '/'")
         self._store_or_factory = store
         self._keys, self._tag = RunKeys(run_id), tag
-        self._limit, self._max_pending = limit, max_pending
+        self._limit, self._max_pending = capped_limit(limit, run_id), max_pending
         self._pending: list[RunEvent] = []
         self._cond = threading.Condition()
         self._busy = False
@@ -303,7 +299,18 @@ class EventWriter:
         ``seq``) when it is written; its ``time`` is when it happened."""
         if self._limit <= 0:
             return None
-        event = new_event(kind, round=round, node=node, at=at, **fields)
+        try:
+            event = new_event(kind, round=round, node=node, at=at, **fields)
+            size = len(encode_event(event))
+            if size > MAX_EVENT_BYTES:
+                raise ValueError(f"its record would take {size} bytes, over the "
+                                 f"{MAX_EVENT_BYTES} an event may")
+        except (TypeError, ValueError) as exc:  # an unknown kind, a value that is not JSON
+            logger.warning("history of %s: event %r not recorded: %s", self._keys.run_id,
+                           kind, exc)
+            with self._cond:
+                self.dropped += 1
+            return None
         with self._cond:
             if self._closed:
                 return None
@@ -370,18 +377,28 @@ class EventWriter:
                     self._cond.notify_all()
 
     def _write(self, batch: list[RunEvent]) -> None:
-        batch = [replace(event, seq=_clock.stamp()) for event in batch]  # written now
-        names = [event_key(self._keys, event, self._tag) for event in batch]
+        """Write ``batch``, then prune; an error of either is logged (the thread lives on)."""
         try:
             store = self._store()
-            store.multi_set(names, [encode_event(event) for event in batch])
-            pruned = prune(store, self._keys.run_id, self._limit)
-            if pruned:
-                logger.debug("history of %s: pruned %d old events", self._keys.run_id, pruned)
+            # Stamped right before the write: seq tells the order the writes reached the store.
+            batch = [replace(event, seq=_clock.stamp()) for event in batch]
+            store.multi_set([event_key(self._keys, event, self._tag) for event in batch],
+                            [encode_event(event) for event in batch])
             self._failures = 0
-        except (RendezvousError, OSError, ValueError) as exc:
+        except Exception as exc:  # a store error (or a bug): never the thread's end
             self.dropped += len(batch)
             self._failures += 1
             # The first failure in a row is worth a warning; the store may stay gone a while.
             log = logger.warning if self._failures == 1 else logger.debug
-            log("history of %s: %d event(s) not recorded: %s", self._keys.run_id, len(batch), exc)
+            log("history of %s: %d event(s) not recorded: %s: %s", self._keys.run_id,
+                len(batch), type(exc).__name__, exc)
+            return
+        try:
+            pruned = prune(store, events_dir(self._keys), self._keys.base + "history_prune",
+                           self._limit, self._tag, _seq_of)
+        except Exception as exc:
+            logger.warning("history of %s: pruning failed: %s: %s", self._keys.run_id,
+                           type(exc).__name__, exc)
+            return
+        if pruned:
+            logger.debug("history of %s: pruned %d old events", self._keys.run_id, pruned)

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import RendezvousStateError
 from ..store import Reads
-from ._history import LEAVE_REASONS, RunEvent, clip, decode_event, new_event, round_event_key
+from ._history import (
+    LEAVE_REASONS,
+    RunEvent,
+    decode_event,
+    encode_event,
+    new_event,
+    round_event_key,
+)
+from ._history_bounds import MAX_EVENT_BYTES, MAX_LIST
 from ._layout import NodeDescriptor, RunKeys
 
 logger = logging.getLogger(__name__)
@@ -74,6 +82,35 @@ def round_cause(r: int, previous_known: bool, newcomers: int, left: Sequence[str
     return "join" if newcomers else "restart"
 
 
+def previous_members(previous: RunEvent | None, r: int) -> list[str] | None:
+    """The members of round ``r - 1`` as its event names them all, or None if it does not
+    (unknown, another round's, clipped, or malformed: only a list of node ids counts)."""
+    if previous is None or previous.round != r - 1 or "members_count" in previous.fields:
+        return None
+    before = previous.fields.get("members")
+    if not isinstance(before, list) or not all(isinstance(node, str) for node in before):
+        return None
+    return before
+
+
+def _fit(fields: dict[str, Any], lists: Mapping[str, list[Any]],
+         make: Callable[[dict[str, Any]], RunEvent]) -> RunEvent:
+    """The event ``make(fields)`` with ``lists`` in its fields, each clipped to
+    :data:`MAX_LIST` entries, and to fewer (halving) until its record fits in
+    :data:`MAX_EVENT_BYTES`; a clipped list's full length is in ``<name>_count``."""
+    keep = MAX_LIST
+    while True:
+        clipped = dict(fields)
+        for name, values in lists.items():
+            clipped[name] = values[:keep]
+            if len(values) > keep:
+                clipped[f"{name}_count"] = len(values)
+        event = make(clipped)
+        if keep == 0 or len(encode_event(event)) <= MAX_EVENT_BYTES:
+            return event
+        keep //= 2
+
+
 def round_formed(
     r: int,
     ranks: Mapping[str, int],
@@ -86,14 +123,12 @@ def round_formed(
 ) -> RunEvent:
     """The ``round_formed`` event of round ``r``, sealed now by ``sealer`` with ``ranks`` (node
     id -> rank), from the joiners' previous ranks (None: new), their join times, the previous
-    round's event (None if unknown) and the leave marks of round ``r``."""
+    round's event (None if unknown: a malformed one counts as unknown) and the leave marks of
+    round ``r``."""
     members = sorted(ranks, key=ranks.__getitem__)
     event = new_event("round_formed", round=r, node=sealer)
-    before = previous.fields.get("members") if previous is not None else None
-    known = (isinstance(before, list) and previous is not None and previous.round == r - 1
-             and "members_count" not in previous.fields)  # a clipped list names not all
-    if known:
-        assert isinstance(before, list)
+    before = previous_members(previous, r)
+    if before is not None:
         gone = [node for node in before if node not in ranks]
         left = [{"node": node, "reason": why_left(node, marks, closed)} for node in gone]
         newcomers = [node for node in members if node not in before]
@@ -101,18 +136,12 @@ def round_formed(
         left = [{"node": node, "reason": reason} for node, reason in marks.items()]
         newcomers = [node for node in members if prev_ranks.get(node) is None]
     reasons = [entry["reason"] for entry in left]
-    fields: dict[str, Any] = {
-        "world_size": len(members),
-        "members": clip(members),
-        "newcomers": clip(newcomers),
-        "left": clip(left),
-        "formation_s": round(max(0.0, event.time - min(joined_at)), 6) if joined_at else None,
-        "cause": round_cause(r, known, len(newcomers), reasons),
-    }
-    if len(members) > len(fields["members"]):
-        fields["members_count"] = len(members)
-    return RunEvent(event.seq, event.time, event.kind, r, sealer,
-                    {k: v for k, v in fields.items() if v is not None})
+    fields: dict[str, Any] = {"world_size": len(members),
+                              "cause": round_cause(r, before is not None, len(newcomers), reasons)}
+    if joined_at:
+        fields["formation_s"] = round(max(0.0, event.time - min(joined_at)), 6)
+    return _fit(fields, {"members": members, "newcomers": newcomers, "left": left},
+                lambda clipped: RunEvent(event.seq, event.time, event.kind, r, sealer, clipped))
 
 
 def round_event(keys: RunKeys, r: int, ranks: Mapping[str, int],

@@ -26,8 +26,10 @@ def short_node(node: Any) -> str:
 
 
 def format_seconds(seconds: Any) -> str:
-    """``8 ms``, ``1.25 s``, ``2 min 5 s``; ``?`` if not a number."""
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+    """``8 ms``, ``1.25 s``, ``2 min 5 s``; ``?`` if not a number of seconds (negative, not
+    finite, or beyond a year)."""
+    if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+            or not 0 <= seconds < 366 * 86400):
         return "?"
     if seconds < 1:
         return f"{seconds * 1000:.0f} ms"
@@ -98,14 +100,24 @@ _TEXT: dict[str, Callable[[RunEvent], str]] = {
 
 
 def format_event(event: RunEvent, *, utc: bool = False) -> str:
-    """One line of the timeline: time (local, or UTC), round, what happened."""
-    moment = time.gmtime(event.time) if utc else time.localtime(event.time)
-    millis = int(event.time * 1000) % 1000
+    """One line of the timeline: time (local, or UTC), round, what happened. An event whose
+    values do not fit its kind (a hand-edited or foreign record) shows its raw JSON fields."""
+    try:
+        moment = time.gmtime(event.time) if utc else time.localtime(event.time)
+        stamp = f"{time.strftime('%H:%M:%S', moment)}.{int(event.time * 1000) % 1000:03d}"
+    except (TypeError, ValueError, OverflowError, OSError):
+        stamp = "??:??:??.???"
     where = f"round {event.round}" if event.round is not None else ""
     text = _TEXT.get(event.kind)
-    what = (text(event) if text is not None else
-            f"{event.kind} {short_node(event.node)} {json.dumps(event.fields)}")
-    return f"{time.strftime('%H:%M:%S', moment)}.{millis:03d}  {where:9} {what}"
+    try:
+        what = text(event) if text is not None else _raw(event)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError):
+        what = _raw(event)
+    return f"{stamp}  {where:9} {what}"
+
+
+def _raw(event: RunEvent) -> str:
+    return f"{event.kind} {short_node(event.node)} {json.dumps(event.fields, default=repr)}"
 
 
 def parse_since(text: str, now: float) -> float:
