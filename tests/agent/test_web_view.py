@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -120,8 +121,12 @@ def test_metrics_of_a_real_run_match_its_history(agents: Any, tmp_path: Path) ->
 
     def world(size: int) -> Callable[[], bool]:
         def formed() -> bool:
-            with urllib.request.urlopen(url + "api/run/job", timeout=30) as response:
-                status = json.load(response)["status"]
+            try:
+                with urllib.request.urlopen(url + "api/run/job", timeout=30) as response:
+                    status = json.load(response)["status"]
+            except urllib.error.HTTPError as exc:  # 404 until the run has keys in the server
+                assert exc.code == 404, exc
+                return False
             return status["world_size"] == size and status["state"] == "complete"
         return formed
 
