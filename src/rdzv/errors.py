@@ -24,6 +24,11 @@ class RendezvousConnectionError(RendezvousError):
     """The backend (store server, etcd, filesystem) could not be reached or was lost."""
 
 
+class SourceUnavailable(RendezvousConnectionError):
+    """The web view (``--web``) cannot read its runs' store now (the message says why); the next
+    read tries again (re-exported as ``rdzv.monitor.SourceUnavailable``)."""
+
+
 class RendezvousStateError(RendezvousError):
     """The rendezvous state is corrupt, foreign or of an unknown version."""
 

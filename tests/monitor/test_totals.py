@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rdzv.monitor import RunTotals, parse_web_address
+from rdzv.monitor._cli import is_loopback, page_secret
+from rdzv.monitor._http import host_names_this_machine
 from rdzv.errors import RendezvousParameterError
 from rdzv.rendezvous import RunEvent
 from rdzv.server._metrics import Histogram
@@ -21,7 +23,7 @@ def test_events_add_up_by_kind_and_cause() -> None:
         event(1, "round_formed", cause="initial", formation_s=0.02, world_size=2),
         event(2, "round_formed", cause="join", formation_s=0.3),
         event(3, "worker_failed", rank=1, exit_code=1),
-        event(4, "training_paused", pause_s=2.0, cause="loss"),
+        event(4, "training_paused", pause_s=2.0, cause="membership_change"),
         event(5, "switched_in_process", pause_s=0.4),
         event(6, "round_formed", formation_s=True),   # no cause, a bool is no duration
         event(7, "node_waiting"),
@@ -32,7 +34,7 @@ def test_events_add_up_by_kind_and_cause() -> None:
     assert totals.formation.snapshot().count == 2
     assert totals.formation.snapshot().sum == pytest.approx(0.32)
     assert {cause: h.snapshot().count for cause, h in totals.pauses.items()} == \
-        {"loss": 1, "switched_in_process": 1}
+        {"membership_change": 1, "switched_in_process": 1}
     assert totals.worker_failures == 1 and totals.corrupt == 2 and totals.seen_seq == 7
 
 
@@ -42,6 +44,55 @@ def test_events_already_folded_are_not_counted_twice() -> None:
     assert totals.seen_seq == 5
     totals.add([event(5, "worker_failed"), event(9, "worker_failed")], corrupt=0)
     assert totals.worker_failures == 3 and totals.seen_seq == 9 and totals.corrupt == 0
+
+
+def test_labels_take_only_known_kinds_and_causes() -> None:
+    """Label values come from the history, which anyone with the store can write: each one is a
+    time series, so values outside the known ones count under ``other``."""
+    totals = RunTotals()
+    totals.add([
+        event(1, "round_formed", cause="x" * 300, formation_s=0.1),
+        event(2, "round_formed", cause="join"),
+        event(3, "made_up_kind"),
+        event(4, "training_paused", pause_s=1.0, cause={"a": 1}),
+        event(5, "training_paused", pause_s=1.0, cause="membership_change"),
+        event(6, "recovered_in_process", pause_s=0.2),
+    ])
+    assert totals.rounds == {"other": 1, "join": 1}
+    assert totals.events == {"round_formed": 2, "other": 1, "training_paused": 2,
+                             "recovered_in_process": 1}
+    assert sorted(totals.pauses) == ["membership_change", "other", "recovered_in_process"]
+
+
+@pytest.mark.parametrize("header, answered", [
+    ("127.0.0.1:8080", True), ("localhost:8080", True), ("localhost", True),
+    ("[::1]:8080", True), ("[::1]", True), ("LocalHost:8080", True), ("10.0.0.5:8080", True),
+    ("evil.example:8080", False), ("evil.example", False), ("127.0.0.1:8081", False),
+    ("127.0.0.1.nip.io:8080", False), ("[::1]x", False), ("", False), (None, False),
+])
+def test_host_headers_answered_on_loopback(header: str | None, answered: bool) -> None:
+    # (10.0.0.5: the address the page is bound to in this table)
+    assert host_names_this_machine(header, "10.0.0.5", 8080) is answered
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("127.3.0.1", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("node0", False),
+])
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_the_pages_password(tmp_path: pytest.TempPathFactory) -> None:
+    assert page_secret(("127.0.0.1", 8080), None, None) is None
+    assert page_secret(("0.0.0.0", 8080), b"store", None) == b"store"
+    path = tmp_path / "web"  # type: ignore[operator]
+    path.write_bytes(b"page\n")
+    assert page_secret(("0.0.0.0", 8080), b"store", str(path)) == b"page"
+    with pytest.raises(RendezvousParameterError, match="--web-secret-file"):
+        page_secret(("0.0.0.0", 8080), None, None)
+    with pytest.raises(RendezvousParameterError, match="--web-secret-file"):
+        page_secret(("127.0.0.1", 8080), None, str(tmp_path / "missing"))  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("value, bucket", [

@@ -98,6 +98,9 @@ def serve(args: argparse.Namespace) -> int:
     from ..server import StoreServer
     from ..server._auth import SECRET_ENV, read_secret_file, secret_from_env
 
+    if args.web_secret_file is not None and args.web is None:
+        print("rdzv serve: error: --web-secret-file goes with --web", file=sys.stderr)
+        return 2
     secret: bytes | None
     if args.secret_file is not None:
         try:
@@ -124,7 +127,7 @@ def serve(args: argparse.Namespace) -> int:
         if args.web is not None:
             from ..monitor._cli import monitor_store_server
 
-            monitor = monitor_store_server(server, args.web, secret)
+            monitor = monitor_store_server(server, args.web, secret, args.web_secret_file)
         server.serve_forever()
     except (OSError, RendezvousError, ValueError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)

@@ -96,6 +96,9 @@ def status_command(args: argparse.Namespace) -> int:
     if args.events and args.watch:
         print("rdzv status: error: --events takes --follow, not --watch", file=sys.stderr)
         return USAGE_ERROR
+    if args.web_secret_file is not None and args.web is None:
+        print("rdzv status: error: --web-secret-file goes with --web", file=sys.stderr)
+        return USAGE_ERROR
     try:
         params = _parameters(args)
     except ValueError as exc:
@@ -108,7 +111,7 @@ def status_command(args: argparse.Namespace) -> int:
               f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
         return 1
     if args.web is not None:
-        return _serve_web(params, args.web, store)
+        return _serve_web(params, args.web, args.web_secret_file, store)
     if args.events:
         return events_command(args, store, params.run_id)
     base = RunKeys(params.run_id).base
@@ -204,14 +207,18 @@ def _print(event: "RunEvent", as_json: bool) -> None:
     print(json.dumps(event.to_json()) if as_json else format_event(event), flush=True)
 
 
-def _serve_web(params: Any, address: tuple[str, int], store: Any) -> int:
+def _serve_web(params: Any, address: tuple[str, int], web_secret_file: str | None,
+               store: Any) -> int:
     """``--web``: serve the run's live page and /metrics until Ctrl-C."""
-    from ..errors import RendezvousError
+    from ..errors import RendezvousError, RendezvousParameterError
     from ..monitor._cli import monitor_run, serve_until_interrupted
 
     store.close()  # (opened to check the run's store is reachable; the view opens its own)
     try:
-        monitor = monitor_run(params, address)
+        monitor = monitor_run(params, address, web_secret_file)
+    except RendezvousParameterError as exc:
+        print(f"rdzv status: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     except (RendezvousError, OSError, ValueError) as exc:
         print(f"rdzv status: --web: {exc}", file=sys.stderr)
         return 1

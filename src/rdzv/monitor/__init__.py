@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from ._cli import DEFAULT_HOST, monitor_run, monitor_store_server, parse_web_address
     from ._http import MonitorServer
     from ._prometheus import MonitorCollector, require_prometheus
-    from ._source import RunSource, SourceUnavailable
+    from ..errors import SourceUnavailable
+    from ._source import RunSource
     from ._prometheus import RunTotals
 
 _EXPORTS = {
@@ -26,7 +27,8 @@ _EXPORTS = {
         "DEFAULT_HOST", "monitor_run", "monitor_store_server", "parse_web_address")},
     "MonitorServer": "._http",
     **{name: "._prometheus" for name in ("MonitorCollector", "require_prometheus")},
-    **{name: "._source" for name in ("RunSource", "SourceUnavailable")},
+    "RunSource": "._source",
+    "SourceUnavailable": "..errors",
     "RunTotals": "._prometheus",
 }
 __all__ = sorted(_EXPORTS)

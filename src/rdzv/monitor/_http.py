@@ -11,7 +11,12 @@ Routes (GET and HEAD only; anything else is refused with 405):
 
 With a shared secret every request needs HTTP Basic credentials whose password is the secret
 (any user name), compared in constant time; without them the answer is 401, which makes a
-browser ask for them. Nothing secret travels in a URL.
+browser ask for them. Nothing secret travels in a URL. Without one, on a loopback address, only
+requests whose ``Host`` names this machine (localhost, 127.0.0.1, [::1], the bound address) are
+answered (421 otherwise): a web page elsewhere cannot reach the port through a DNS name rebound
+to 127.0.0.1. Only runs of :meth:`RunSource.run_ids` are answered (404 otherwise); an idle
+connection is closed after :data:`IDLE_TIMEOUT_S`, and at most :data:`MAX_CONNECTIONS` are
+served at once (more are closed at once).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import binascii
 import hmac
 import json
 import logging
+import socket
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,9 +34,10 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ._cli import DEFAULT_HOST
+from ._cli import DEFAULT_HOST, is_loopback
 from ._prometheus import MonitorCollector, render_metrics, require_prometheus
-from ._source import RunSource, SourceUnavailable, run_payload, runs_payload
+from ..errors import SourceUnavailable
+from ._source import RunSource, run_payload, runs_payload
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,11 @@ STATIC = {
     "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/static/style.css": ("style.css", "text/css; charset=utf-8"),
 }
+IDLE_TIMEOUT_S = 30.0
+"""Seconds a connection may stay silent (keep-alive included) before it is closed."""
+MAX_CONNECTIONS = 64
+"""Connections served at once (each holds a thread); more are closed when accepted."""
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 SECURITY_HEADERS = {
     # Everything comes from this server: no script, style, font or image from another host.
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
@@ -55,12 +67,14 @@ class MonitorServer:
     """
 
     def __init__(self, source: RunSource, host: str = DEFAULT_HOST, port: int = 0, *,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         require_prometheus()
         self.source = source
         self.collector = MonitorCollector(source)
         self.secret = secret
-        self._httpd = _HTTPServer((host, port), _Handler, self)
+        self.idle_timeout_s = idle_timeout_s
+        self._httpd = _HTTPServer((host, port), _Handler, self, max_connections)
         self._thread: threading.Thread | None = None
 
     @property
@@ -106,17 +120,64 @@ class MonitorServer:
             return False
         return hmac.compare_digest(password, self.secret)
 
+    def host_allowed(self, header: str | None) -> bool:
+        """Whether a request with ``Host: header`` is answered: always with a secret or on a
+        non-loopback address; else only for a name of this machine (DNS rebinding)."""
+        bound = str(self._httpd.server_address[0])
+        if self.secret is not None or not is_loopback(bound):
+            return True
+        return host_names_this_machine(header, bound, self.port)
+
+
+def host_names_this_machine(header: str | None, bound: str, port: int) -> bool:
+    """Whether the ``Host`` header ``header`` is localhost, 127.0.0.1, [::1] or ``bound``, with
+    no port or ``port``."""
+    if not header:
+        return False
+    host = header.strip().lower()
+    if host.startswith("["):  # [::1]:8080
+        name, _, rest = host[1:].partition("]")
+        given = rest[1:] if rest.startswith(":") else None
+        if rest and given is None:
+            return False
+    else:
+        name, colon, given_port = host.partition(":")
+        given = given_port if colon else None
+    if given is not None and given != str(port):
+        return False
+    return name in LOCAL_NAMES or name == bound.lower()
+
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type, monitor: MonitorServer) -> None:
+    def __init__(self, address: tuple[str, int], handler: type, monitor: MonitorServer,
+                 max_connections: int) -> None:
         if ":" in address[0]:
-            import socket
-
             self.address_family = socket.AF_INET6
         self.monitor = monitor
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("web view: %s connections open already: closing one from %s",
+                        self.max_connections, client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            request.settimeout(self.monitor.idle_timeout_s)  # a silent client: closed then
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -141,6 +202,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, send_body: bool) -> None:
         monitor = self.server.monitor
+        if not monitor.host_allowed(self.headers.get("Host")):
+            self._send(HTTPStatus.MISDIRECTED_REQUEST, b"this port answers only requests to "
+                       b"localhost, 127.0.0.1 or [::1]\n", "text/plain; charset=utf-8",
+                       send_body=send_body)
+            return
         if not monitor.authorized(self.headers.get("Authorization")):
             self._send(HTTPStatus.UNAUTHORIZED, b"credentials needed: any user name, the "
                        b"store's shared secret as password\n", "text/plain; charset=utf-8",
@@ -161,6 +227,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(runs_payload(monitor.source), send_body)
             elif path.startswith("/api/run/"):
                 run_id = unquote(path[len("/api/run/"):])
+                if not monitor.source.has_run(run_id):
+                    self._json({"error": f"no run {run_id!r} here"}, send_body,
+                               HTTPStatus.NOT_FOUND)
+                    return
                 since = parse_qs(url.query).get("since", ["0"])[0]
                 if not since.isdigit():
                     self._json({"error": f"since must be a sequence number, not {since!r}"},

@@ -18,9 +18,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from ..errors import RendezvousParameterError
+from ..errors import RendezvousParameterError, SourceUnavailable
+from ..rendezvous._history import EVENT_KINDS
 from ..server._metrics import Histogram, HistogramSnapshot, ServerMetricsSnapshot
-from ._source import RunSource, SourceUnavailable
+from ._source import RunSource
 
 if TYPE_CHECKING:
     from ..rendezvous._status import RunStatus
@@ -35,6 +36,14 @@ PAUSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 
 PAUSE_KINDS = ("training_paused", "switched_in_process", "recovered_in_process")
 """Events that say how long training paused (``pause_s``)."""
 UNKNOWN = "unknown"
+"""The label of an event without the field."""
+OTHER = "other"
+"""The label of a value not in the lists below: labels never take arbitrary text from the
+history (each value is a time series in Prometheus)."""
+ROUND_CAUSES = ("initial", "join", "leave", "loss", "restart")
+"""The ``cause`` of a ``round_formed`` event."""
+PAUSE_CAUSES = ("worker_failed", "membership_change", *PAUSE_KINDS)
+"""The ``cause`` of a training pause (the event's kind when it has none)."""
 
 
 @dataclass
@@ -62,11 +71,11 @@ class RunTotals:
             if event.seq <= seen:
                 continue  # folded in already
             self.seen_seq = max(self.seen_seq, event.seq)  # (in the order they happened)
-            kind = event.kind
+            kind = _label(event.kind, EVENT_KINDS)
             fields = event.fields
             self.events[kind] = self.events.get(kind, 0) + 1
             if kind == "round_formed":
-                cause = _label(fields.get("cause"))
+                cause = _label(fields.get("cause"), ROUND_CAUSES)
                 self.rounds[cause] = self.rounds.get(cause, 0) + 1
                 took = fields.get("formation_s")
                 if _is_seconds(took):
@@ -74,7 +83,7 @@ class RunTotals:
             elif kind == "worker_failed":
                 self.worker_failures += 1
             if kind in PAUSE_KINDS and _is_seconds(fields.get("pause_s")):
-                cause = _label(fields.get("cause", kind))
+                cause = _label(fields.get("cause", kind), PAUSE_CAUSES)
                 pauses = self.pauses.get(cause)
                 if pauses is None:
                     pauses = self.pauses[cause] = Histogram(PAUSE_BUCKETS)
@@ -82,8 +91,10 @@ class RunTotals:
         self.corrupt = corrupt  # (the reader reports every corrupt record at every read)
 
 
-def _label(value: Any) -> str:
-    return value if isinstance(value, str) and value else UNKNOWN
+def _label(value: Any, known: tuple[str, ...]) -> str:
+    if value is None or value == "":
+        return UNKNOWN
+    return value if value in known else OTHER
 
 
 def _is_seconds(value: Any) -> bool:
@@ -132,6 +143,8 @@ class MonitorCollector:
             except SourceUnavailable as exc:
                 log.warning("/metrics: %s", exc)
                 run_ids = []
+            else:  # the totals of runs gone (deleted from the store) go with them
+                self._totals = {run: self._totals[run] for run in run_ids if run in self._totals}
             up = core.GaugeMetricFamily(
                 "rdzv_monitor_store_up", "1 if the monitor read the runs' store at this scrape")
             failed = False

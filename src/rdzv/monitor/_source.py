@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import RendezvousError
+from ..errors import RendezvousError, SourceUnavailable
 from ..rendezvous._history import EventLog, events_dir, read_events
 from ..rendezvous._layout import ROOT, RunKeys
 from ..rendezvous._status import RunStatus, read_status
@@ -46,13 +46,14 @@ class _Seen:
     first: float
     """When this revision was first seen (wall clock, as the events' stamps)."""
     settled: bool
-    """The read came :data:`SETTLE_S` after that: it returned every event of this revision."""
+    """The read came :data:`SETTLE_S` after that and left out no event for being too recent
+    (stamped after its settle horizon, e.g. by a clock ahead of this one): it returned every
+    event of this revision."""
     next_seq: int
     corrupt: list[str]
 
 
-class SourceUnavailable(RendezvousError):
-    """The store cannot be read now (the message says why); the next call tries again."""
+__all__ = ["RunSource", "SourceUnavailable", "run_payload", "runs_payload", "server_runs"]
 
 
 class RunSource:
@@ -81,7 +82,7 @@ class RunSource:
         self.where = where
         """The store, in words (shown on the page)."""
         self._store: Store | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (held while reading: run_ids may prune _seen then)
         self._listed: tuple[float, list[str]] = (-RUNS_TTL, [])
         self._seen: dict[str, _Seen] = {}
 
@@ -98,7 +99,13 @@ class RunSource:
             except RendezvousError as exc:
                 raise SourceUnavailable(f"cannot list the runs of {self.where}: {exc}") from exc
             self._listed = (time.monotonic(), runs)
+            with self._lock:  # what is kept of the runs gone goes with them
+                self._seen = {run: seen for run, seen in self._seen.items() if run in runs}
         return runs
+
+    def has_run(self, run_id: str) -> bool:
+        """Whether ``run_id`` is one of :meth:`run_ids` (the only ones answered for)."""
+        return run_id in self.run_ids()
 
     def status(self, run_id: str) -> RunStatus:
         """The state of ``run_id`` now (as ``rdzv status`` shows it)."""
@@ -121,9 +128,18 @@ class RunSource:
             first = seen.first
         else:
             first = now
-        history = read_events(store, run_id, since_seq=since_seq, settle_s=SETTLE_S)
-        self._seen[run_id] = _Seen(revision, first, now - first >= SETTLE_S, history.next_seq,
-                                   history.corrupt)
+        # The settle horizon is applied here, not by read_events: a read is settled only if it
+        # left out nothing for being too recent (an event stamped ahead of this clock would
+        # otherwise stay hidden until the next write).
+        horizon = int((now - SETTLE_S) * 1e6)
+        everything = read_events(store, run_id, since_seq=since_seq)
+        events = [event for event in everything.events if event.seq <= horizon]
+        history = EventLog(events, everything.corrupt,
+                           max((event.seq for event in events), default=since_seq))
+        settled = now - first >= SETTLE_S and len(events) == len(everything.events)
+        if run_id in self._seen or self.has_run(run_id):  # (kept for the runs shown only)
+            self._seen[run_id] = _Seen(revision, first, settled, history.next_seq,
+                                       history.corrupt)
         return history
 
     def server(self) -> ServerMetricsSnapshot | None:

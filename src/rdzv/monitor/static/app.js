@@ -45,9 +45,11 @@ function svg(tag, attrs, text) {
   return node;
 }
 
-function clock(t) { return new Date(t * 1000).toLocaleTimeString([], { hour12: false }); }
+function clock(t) {
+  return typeof t === "number" ? new Date(t * 1000).toLocaleTimeString([], { hour12: false }) : "?";
+}
 function seconds(s) {
-  if (s === null || s === undefined) return "?";
+  if (typeof s !== "number" || !isFinite(s)) return "?";
   if (s < 1) return `${(s * 1000).toFixed(0)} ms`;
   if (s < 120) return `${s.toFixed(s < 10 ? 2 : 0)} s`;
   return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
@@ -58,6 +60,22 @@ async function getJSON(path) {
   const body = await response.json().catch(() => ({ error: response.statusText }));
   if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
   return body;
+}
+
+// What the JSON holds may be missing or odd (an old server, a hand-written event): read it
+// through these, so that the page draws what it can and keeps polling.
+function obj(v) { return v !== null && typeof v === "object" && !Array.isArray(v) ? v : {}; }
+function arr(v) { return Array.isArray(v) ? v : []; }
+function num(v) { return typeof v === "number" && isFinite(v) ? v : null; }
+function wantedRun() {  // the run named by the address's #run=..., or "" (also when malformed)
+  const hash = location.hash.replace(/^#run=/, "");
+  try { return decodeURIComponent(hash); } catch (err) { return ""; }
+}
+function cleanEvent(e) {
+  e = obj(e);
+  return { seq: num(e.seq) ?? 0, time: num(e.time) ?? 0, kind: String(e.kind ?? "?"),
+    round: num(e.round), node: e.node === null || e.node === undefined ? null : String(e.node),
+    fields: obj(e.fields) };
 }
 
 // -- polling ---------------------------------------------------------------------------------
@@ -77,14 +95,14 @@ async function poll() {
 
 async function pollRuns() {
   const data = await getJSON("/api/runs");
-  view.runs = data.runs;
-  document.getElementById("where").textContent = data.where;
-  const server = data.server;
+  view.runs = arr(data.runs).map(obj).filter(r => typeof r.run_id === "string");
+  document.getElementById("where").textContent = data.where || "";
+  const server = data.server ? obj(data.server) : null;
   document.getElementById("server").textContent = server
     ? `${server.connections} connection(s) · ${server.sessions} session(s) · ${server.keys} key(s)`
       + (server.durable ? " · durable" : " · in memory")
     : "";
-  const wanted = decodeURIComponent(location.hash.replace(/^#run=/, ""));
+  const wanted = wantedRun();
   const ids = view.runs.map(r => r.run_id);
   const choice = ids.includes(wanted) ? wanted : (ids.includes(view.selected) ? view.selected : ids[0]);
   if (choice !== view.selected) select(choice || null);
@@ -95,18 +113,21 @@ async function pollRun() {
   const run = view.selected;
   const data = await getJSON(`/api/run/${encodeURIComponent(run)}?since=${view.nextSeq}`);
   if (run !== view.selected) return;  // switched meanwhile
-  view.status = data.status;
-  view.nextSeq = data.next_seq;
-  view.events.push(...data.events);
+  const status = obj(data.status);
+  status.members = arr(status.members).map(obj);
+  view.status = status;
+  if (num(data.next_seq) !== null) view.nextSeq = data.next_seq;
+  view.events.push(...arr(data.events).map(cleanEvent));
   view.events.sort((a, b) => a.time - b.time || a.seq - b.seq);  // (in the order they happened)
   if (view.events.length > MAX_EVENTS) view.events.splice(0, view.events.length - MAX_EVENTS);
   const last = view.samples[view.samples.length - 1];
-  if (data.status.round !== null && (!last || last.size !== data.status.world_size)) {
-    view.samples.push({ time: data.time, size: data.status.world_size });
+  const size = num(status.world_size), now = num(data.time);
+  if (num(status.round) !== null && size !== null && now !== null && (!last || last.size !== size)) {
+    view.samples.push({ time: now, size });
     if (view.samples.length > MAX_SAMPLES) view.samples.splice(0, view.samples.length - MAX_SAMPLES);
   }
-  view.now = data.time;
-  view.corrupt = data.corrupt;
+  view.now = now ?? Date.now() / 1000;
+  view.corrupt = arr(data.corrupt);
   drawRun();
 }
 
@@ -143,15 +164,15 @@ function drawRuns() {
 
 function drawRun() {
   const s = view.status;
-  document.getElementById("run-id").textContent = s.run_id;
+  document.getElementById("run-id").textContent = s.run_id ?? view.selected;
   const badge = document.getElementById("run-state");
-  badge.textContent = s.state; badge.className = `badge ${s.state}`;
+  badge.textContent = s.state ?? "?"; badge.className = `badge ${s.state ?? ""}`;
   const facts = [
-    [s.round === null ? "–" : s.round, "round"],
-    [s.world_size, "nodes"],
-    [s.members.reduce((n, m) => n + (m.nproc || 0), 0) || "?", "workers"],
-    [s.spares ? `${s.spares} spare` : s.waiting, "waiting"],
-    [s.last_round_s === null ? "?" : seconds(s.last_round_s), "last round formed in"],
+    [num(s.round) === null ? "–" : s.round, "round"],
+    [s.world_size ?? "?", "nodes"],
+    [s.members.reduce((n, m) => n + (num(m.nproc) || 0), 0) || "?", "workers"],
+    [s.spares ? `${s.spares} spare` : (s.waiting ?? "?"), "waiting"],
+    [seconds(s.last_round_s), "last round formed in"],
     [s.master || "?", "workers' master"],
   ];
   document.getElementById("facts").replaceChildren(
@@ -172,18 +193,18 @@ function drawMembers(s) {
   body.replaceChildren();
   for (const m of s.members) {
     const state = liveness(m, s);
-    body.append(el("tr", { "data-rank": m.rank },
-      el("td", { class: "num" }, m.rank),
+    body.append(el("tr", { "data-rank": m.rank ?? "?" },
+      el("td", { class: "num" }, m.rank ?? "?"),
       el("td", {}, el("span", { class: `badge ${state}` }, state === "yes" ? "alive" : state)),
       el("td", {}, m.host || "?"), el("td", { class: "num" }, m.pid || "?"),
       el("td", { class: "num" }, m.nproc || "?"),
-      el("td", { class: "num" }, m.last_seen_s_ago === null ? "?" : `${seconds(m.last_seen_s_ago)} ago`),
-      el("td", { class: "num" }, m.started_s_ago === null ? "?" : seconds(m.started_s_ago)),
-      el("td", { class: "num" }, m.join_s === null ? "?" : seconds(m.join_s))));
+      el("td", { class: "num" }, num(m.last_seen_s_ago) === null ? "?" : `${seconds(m.last_seen_s_ago)} ago`),
+      el("td", { class: "num" }, seconds(m.started_s_ago)),
+      el("td", { class: "num" }, seconds(m.join_s))));
   }
   if (!s.members.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" },
-    s.round === null ? "no round has formed yet" : "no members")));
-  document.getElementById("members-note").textContent = s.round === null ? "" : `round ${s.round}`;
+    num(s.round) === null ? "no round has formed yet" : "no members")));
+  document.getElementById("members-note").textContent = num(s.round) === null ? "" : `round ${s.round}`;
   let waiting = "";
   if (s.spares) {
     waiting = `${s.spares} spare node(s) waiting: the job runs at its maximum of ${s.max_nodes}; `
@@ -208,7 +229,7 @@ function series() {
 function eventColour(e) {
   const f = e.fields;
   if (e.kind === "round_formed") {
-    if (f.cause === "loss" || (Array.isArray(f.left) && f.left.some(l => LOSS_REASONS.has(l.reason)))) {
+    if (f.cause === "loss" || arr(f.left).some(l => LOSS_REASONS.has(obj(l).reason))) {
       return "#d64545";
     }
     if (f.cause === "leave") return "#d58a00";
@@ -225,7 +246,7 @@ function drawChart() {
   let t0 = times.length ? Math.min(...times) : now - 60;
   if (now - t0 < 30) t0 = now - 30;
   const span = now - t0;
-  const maxSize = Math.max(1, ...points.map(p => p.size), view.status.max_nodes || 0);
+  const maxSize = Math.max(1, ...points.map(p => p.size), num(view.status.max_nodes) || 0);
   const x = t => L + (W - L - R) * (t - t0) / span;
   const y = v => T + (H - T - B) * (1 - v / (maxSize + 0.5));
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img",
@@ -278,12 +299,13 @@ function describe(e) {
   const list = xs => (Array.isArray(xs) && xs.length ? xs.join(", ") : "");
   switch (e.kind) {
     case "round_formed": {
-      const parts = [`${f.world_size} node(s)`];
+      const parts = [`${f.world_size ?? "?"} node(s)`];
       if (f.cause) parts.push(`cause: ${f.cause}`);
       if (typeof f.formation_s === "number") parts.push(`formed in ${seconds(f.formation_s)}`);
       if (list(f.newcomers)) parts.push(`joined: ${list(f.newcomers)}`);
-      if (Array.isArray(f.left) && f.left.length) {
-        parts.push("left: " + f.left.map(l => `${l.node} (${String(l.reason || "?").replace(/_/g, " ")})`).join(", "));
+      if (arr(f.left).length) {
+        parts.push("left: " + f.left.map(obj).map(l =>
+          `${l.node ?? "?"} (${String(l.reason || "?").replace(/_/g, " ")})`).join(", "));
       }
       return parts.join("; ");
     }
@@ -321,7 +343,7 @@ function drawEvents() {
 }
 
 window.addEventListener("hashchange", () => {
-  const wanted = decodeURIComponent(location.hash.replace(/^#run=/, ""));
+  const wanted = wantedRun();
   if (wanted && wanted !== view.selected) select(wanted);
 });
 window.addEventListener("resize", () => { if (view.status) drawChart(); });
