@@ -207,7 +207,10 @@ class RendezvousContract:
             check_round(first, 2)
         finally:
             open(marker + ".go", "w").close()
-            stale.resume()
+            # A stray SIGCONT may have woken it before ".go" existed, and it stops itself
+            # again: resume it until it runs (bounded).
+            eventually(lambda: stale.resume() or process_state(stale.pid) != "T", AT_ONCE,
+                       "the stale sealer running again")
         # The stale node either joins again as a new node (a and c see it waiting for round
         # 1), or, where its store cannot give it a new session (FileStore), fails clearly.
         try:
