@@ -19,6 +19,8 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 from rdzv.monitor import monitor_store_server  # noqa: E402
 from rdzv.rendezvous import EventWriter  # noqa: E402
+from rdzv.rendezvous._history import encode_event, event_key, new_event  # noqa: E402
+from rdzv.rendezvous._layout import RunKeys  # noqa: E402
 from rdzv.server import StoreServer  # noqa: E402
 from rdzv.store import TCPStore  # noqa: E402
 
@@ -143,6 +145,26 @@ def test_a_runs_history_adds_up_in_its_metrics(served: tuple[StoreServer, str]) 
     assert second[("rdzv_run_worker_failures_total", run)] == 1
     # no round formed through the engine: the status says so
     assert second[("rdzv_run_round", run)] == -1
+
+
+def test_an_event_written_late_is_counted_at_the_next_scrape(
+    served: tuple[StoreServer, str]
+) -> None:
+    """An event stamped before the last scrape's newest one but written after that scrape (its
+    writer stalled) still counts once: the totals follow the history by its keys, not a cut-off."""
+    server, url = served
+    late = new_event("worker_failed", round=1, rank=0, exit_code=1)  # stamped now, written later
+    record(server, url, [("round_formed", dict(round=1, world_size=2, cause="join",
+                                               formation_s=0.1))])
+    run = (("run", "job"),)
+    assert samples(url)[("rdzv_run_worker_failures_total", run)] == 0
+    store = TCPStore("127.0.0.1", server.port)
+    try:
+        store.set(event_key(RunKeys("job"), late, "stalled"), encode_event(late))
+    finally:
+        store.close()
+    assert samples(url)[("rdzv_run_worker_failures_total", run)] == 1
+    assert samples(url)[("rdzv_run_worker_failures_total", run)] == 1  # once, not at each scrape
 
 
 def test_the_json_the_page_polls(served: tuple[StoreServer, str]) -> None:

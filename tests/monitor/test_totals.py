@@ -35,15 +35,7 @@ def test_events_add_up_by_kind_and_cause() -> None:
     assert totals.formation.snapshot().sum == pytest.approx(0.32)
     assert {cause: h.snapshot().count for cause, h in totals.pauses.items()} == \
         {"membership_change": 1, "switched_in_process": 1}
-    assert totals.worker_failures == 1 and totals.corrupt == 2 and totals.seen_seq == 7
-
-
-def test_events_already_folded_are_not_counted_twice() -> None:
-    totals = RunTotals()
-    totals.add([event(5, "worker_failed"), event(1, "worker_failed")])  # in time order
-    assert totals.seen_seq == 5
-    totals.add([event(5, "worker_failed"), event(9, "worker_failed")], corrupt=0)
-    assert totals.worker_failures == 3 and totals.seen_seq == 9 and totals.corrupt == 0
+    assert totals.worker_failures == 1 and totals.corrupt == 2
 
 
 def test_labels_take_only_known_kinds_and_causes() -> None:

@@ -7,8 +7,9 @@ at scrape time.
 
 :class:`RunTotals` adds up what a run's events say (rounds formed by cause, how long each round
 took to form, how long training paused for each change, worker failures), with no I/O; the
-collector keeps one per run and folds in only the events recorded since its last scrape (after
-``seen_seq``), so a scrape decodes and counts each event once.
+collector keeps one per run and folds in only the events its last read of the history had not
+seen (``read_events(..., after=...)``, by their keys: a write that lands late is counted at the
+next scrape, never skipped), so a scrape counts each event once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ..errors import RendezvousParameterError, SourceUnavailable
-from ..rendezvous._history import EVENT_KINDS
+from ..rendezvous._history import EVENT_KINDS, EventLog
 from ..server._metrics import Histogram, HistogramSnapshot, ServerMetricsSnapshot
 from ._source import RunSource
 
@@ -50,8 +51,8 @@ PAUSE_CAUSES = ("worker_failed", "membership_change", *PAUSE_KINDS)
 class RunTotals:
     """What a run's events add up to (see the module docstring)."""
 
-    seen_seq: int = 0
-    """The history read so far: the next read asks for the events after this one."""
+    read: EventLog | None = None
+    """The last read of the history: the next one asks for the events it had not seen."""
     events: dict[str, int] = field(default_factory=dict)
     """Events seen, by kind."""
     rounds: dict[str, int] = field(default_factory=dict)
@@ -64,13 +65,9 @@ class RunTotals:
     """Records of the history that could not be read at the last read (reported, skipped)."""
 
     def add(self, events: Iterable[Any], corrupt: int = 0) -> None:
-        """Fold in ``events`` (:class:`~rdzv.rendezvous.RunEvent`) and the count
+        """Fold in new ``events`` (:class:`~rdzv.rendezvous.RunEvent`) and the count
         of ``corrupt`` records read with them."""
-        seen = self.seen_seq
         for event in events:
-            if event.seq <= seen:
-                continue  # folded in already
-            self.seen_seq = max(self.seen_seq, event.seq)  # (in the order they happened)
             kind = _label(event.kind, EVENT_KINDS)
             fields = event.fields
             self.events[kind] = self.events.get(kind, 0) + 1
@@ -152,11 +149,12 @@ class MonitorCollector:
                 try:
                     status = self.source.status(run_id)
                     totals = self._totals.setdefault(run_id, RunTotals())
-                    history = self.source.events(run_id, totals.seen_seq)
+                    history = self.source.new_events(run_id, totals.read)
                 except SourceUnavailable as exc:
                     log.warning("/metrics: %s", exc)
                     failed = True
                     break
+                totals.read = history
                 totals.add(history.events, len(history.corrupt))
                 statuses.append((run_id, status, totals))
             up.add_metric([], 0 if failed else 1)

@@ -116,6 +116,12 @@ class RunSource:
         :data:`SETTLE_S`: pass ``next_seq`` back to read on)."""
         return self._read(lambda store: self._events(store, run_id, since_seq))
 
+    def new_events(self, run_id: str, after: EventLog | None) -> EventLog:
+        """The events of ``run_id`` that ``after`` (this method's previous answer; None: the
+        first read) had not seen, however late their writes landed (for totals that count
+        each event once)."""
+        return self._read(lambda store: read_events(store, run_id, after=after))
+
     def _events(self, store: Store, run_id: str, since_seq: int) -> EventLog:
         # Reading the history lists all of it: skip that while nothing was written since a
         # read that came SETTLE_S after the last write was first seen (it had every event then).
