@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
     parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--progress", default=None, help="also append rank 0's progress as JSON lines to this file")
+    parser.add_argument("--checks", default=None,
+                        help="also append rank 0's parameter check after every change of group as JSON lines "
+                             "to this file (step, world size, whether all ranks agree)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause per step (demos)")
     parser.add_argument("--model-mb", type=float, default=0.0,
                         help="add this many MB of frozen weights to the model (benchmarks)")
@@ -147,6 +150,10 @@ def main() -> None:
         if state.rank == 0:
             print(f"world size {state.world_size} at step {state.step}: parameters "
                   f"{'identical' if agree else 'DIFFERENT'} on all ranks", flush=True)
+            if args.checks:
+                with open(args.checks, "a") as handle:
+                    handle.write(json.dumps({"step": state.step, "world_size": state.world_size,
+                                             "agree": agree, "time": time.time()}) + "\n")
 
     rebuild(state)
     if state.rank == 0 or state.received:
