@@ -1,36 +1,17 @@
-"""The channel between an agent and its workers: a Unix socket, one JSON object a line.
+"""The channel between an agent and its workers: a Unix socket, one typed message a line.
 
 A worker that uses the in-process API (``rdzv.torch.ElasticState``) connects to the socket
-named by ``RDZV_AGENT_CHANNEL`` and says ``hello``; a worker that does not simply never
-connects, and its agent restarts it on a membership change as before. Messages (``op``):
-
-agent -> worker:
-    ``plan``    the next round: the worker's new rank and world size, the new group's store
-                (``master_addr``/``master_port``/``prefix``), ``leave`` (this node leaves).
-    ``switch``  switch at ``step`` (the number of completed steps); ``source`` sends the state
-                to ``receivers`` (global ranks of the new group).
-    ``abort``   a member of the group is lost: abort the group (a pending collective fails).
-    ``recover`` the survivors' new group is ready: ``source`` (the survivor that completed the
-                most steps) sends its state to ``receivers``.
-    ``join``    to a newcomer: the group it joins gets its state from ``source``.
-    ``query``   asks for ``progress``.
-worker -> agent:
-    ``hello``     ``local_rank``, ``pid``.
-    ``progress``  ``step`` and the recent ``step_time`` in seconds (None before a step).
-    ``switched``  the new group is up (``ms``: the pause), or ``left`` for a leaving worker.
-    ``missed``    the switch step had already passed (the agent falls back to a restart).
-    ``failed``    the switch failed in the worker (``error``).
-    ``broken``    a collective failed (a peer is gone): the worker waits for ``recover`` with
-                  its completed ``step``.
+named by ``RDZV_AGENT_CHANNEL`` and says :class:`~._messages.Hello`; a worker that does not simply
+never connects, and its agent restarts it on a membership change as before. The messages and
+their checks are :mod:`._messages`; this module does the transport: the agent side is
+:class:`ChannelServer`, the worker side :class:`ChannelClient`.
 
 The channel is local to one machine (a socket file only the agent's user can open) and carries
-JSON only. This module does the framing and checking; the agent side is :class:`ChannelServer`,
-the worker side :class:`ChannelClient`. It sits below both ``rdzv.agent`` and ``rdzv.torch``.
+JSON only. It sits below both ``rdzv.agent`` and ``rdzv.torch``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -38,21 +19,16 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from .errors import RendezvousError
+from ._messages import TO_AGENT, TO_WORKER, ChannelError, Closed, Hello, decode, encode
 
 logger = logging.getLogger(__name__)
 
 ENV_CHANNEL = "RDZV_AGENT_CHANNEL"
 """The socket a worker connects to (set by ``rdzv run`` for every worker)."""
 ENV_JOIN = "RDZV_INPROCESS_JOIN"
-"""Set for a worker started to join a running group in-process: the new group's store prefix."""
+"""Set (to 1) for a worker started to join a running group in-process: it holds no state and
+takes its rank and group from its agent's :class:`~._messages.Plan`, not from its environment."""
 MAX_LINE = 1 << 20
-OPS_TO_WORKER = frozenset({"plan", "switch", "abort", "recover", "join", "query"})
-OPS_TO_AGENT = frozenset({"hello", "progress", "switched", "missed", "failed", "broken"})
-
-
-class ChannelError(RendezvousError):
-    """A message on the agent-worker channel is malformed or the channel is gone."""
 
 
 def _hang_up(sock: socket.socket) -> None:
@@ -62,21 +38,6 @@ def _hang_up(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
-
-
-def decode(line: bytes, ops: frozenset[str]) -> dict[str, Any]:
-    """One line as a message whose ``op`` is in ``ops``, or ChannelError saying what is wrong."""
-    try:
-        message = json.loads(line)
-    except ValueError as exc:
-        raise ChannelError(f"not JSON on the agent channel: {line[:80]!r}") from exc
-    if not isinstance(message, dict) or message.get("op") not in ops:
-        raise ChannelError(f"unknown message on the agent channel: {line[:80]!r}")
-    return message
 
 
 class _Lines:
@@ -106,10 +67,10 @@ class ChannelServer:
     """The agent's end: accepts its workers' connections and passes their messages on.
 
     ``on_message(local_rank, message)`` runs on the connection's reader thread; a worker whose
-    connection ends is reported as ``on_message(local_rank, {"op": "closed"})``.
+    connection ends is reported as ``on_message(local_rank, Closed())``.
     """
 
-    def __init__(self, on_message: Callable[[int, dict[str, Any]], None]) -> None:
+    def __init__(self, on_message: Callable[[int, Any], None]) -> None:
         self._on_message = on_message
         self._dir = tempfile.mkdtemp(prefix="rdzv-agent-")
         self.path = os.path.join(self._dir, "channel.sock")
@@ -138,9 +99,9 @@ class ChannelServer:
                 line = lines.read()
                 if line is None:
                     break
-                message = decode(line, OPS_TO_AGENT)
-                if message["op"] == "hello":
-                    local_rank = int(message["local_rank"])
+                message = decode(line, TO_AGENT)
+                if isinstance(message, Hello):
+                    local_rank = message.local_rank
                     with self._lock:
                         previous = self._workers.get(local_rank)
                         self._workers[local_rank] = conn
@@ -149,7 +110,7 @@ class ChannelServer:
                 if local_rank is None or not self._current(local_rank, conn):
                     break  # no hello yet, or a connection forgotten since: its worker is gone
                 self._on_message(local_rank, message)
-        except (ChannelError, KeyError, TypeError, ValueError) as exc:
+        except ChannelError as exc:
             logger.warning("dropping a worker's channel connection: %s", exc)
         finally:
             _hang_up(conn)
@@ -160,7 +121,7 @@ class ChannelServer:
                     if current:
                         del self._workers[local_rank]
             if current and local_rank is not None:  # a forgotten connection's end is no news
-                self._on_message(local_rank, {"op": "closed"})
+                self._on_message(local_rank, Closed())
 
     def _current(self, local_rank: int, conn: socket.socket) -> bool:
         with self._lock:
@@ -171,7 +132,7 @@ class ChannelServer:
         with self._lock:
             return frozenset(self._workers)
 
-    def send(self, local_rank: int, message: dict[str, Any]) -> bool:
+    def send(self, local_rank: int, message: Any) -> bool:
         """Send ``message`` to one worker; whether it was connected and the send went out."""
         with self._lock:
             conn = self._workers.get(local_rank)
@@ -203,10 +164,10 @@ class ChannelServer:
 
 class ChannelClient:
     """The worker's end: ``on_message`` runs on a reader thread for each message of the agent,
-    and once with ``{"op": "closed"}`` when the agent has gone."""
+    and once with :class:`~._messages.Closed` when the agent has gone."""
 
-    def __init__(self, path: str, local_rank: int,
-                 on_message: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, path: str, local_rank: int, on_message: Callable[[Any], None],
+                 fresh: bool = False) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(path)
@@ -218,7 +179,7 @@ class ChannelClient:
             ) from exc
         self._send_lock = threading.Lock()
         self._on_message = on_message
-        self.send({"op": "hello", "local_rank": local_rank, "pid": os.getpid()})
+        self.send(Hello(local_rank, os.getpid(), fresh))
         threading.Thread(target=self._read, daemon=True, name="rdzv-agent-channel").start()
 
     def _read(self) -> None:
@@ -226,22 +187,26 @@ class ChannelClient:
         while True:
             line = lines.read()
             if line is None:
-                self._on_message({"op": "closed"})
+                self._on_message(Closed())
                 return
             try:
-                message = decode(line, OPS_TO_WORKER)
+                message = decode(line, TO_WORKER)
             except ChannelError as exc:
                 logger.warning("%s", exc)
                 continue
             self._on_message(message)
 
-    def send(self, message: dict[str, Any]) -> None:
+    @property
+    def sock(self) -> socket.socket:
+        return self._sock
+
+    def send(self, message: Any) -> None:
         """Send a message to the agent (ignored if the agent is gone: it stops this worker)."""
         with self._send_lock:
             try:
                 self._sock.sendall(encode(message))
             except OSError as exc:
-                logger.warning("cannot tell the agent %s: %s", message.get("op"), exc)
+                logger.warning("cannot tell the agent %s: %s", message.TYPE, exc)
 
     def close(self) -> None:
         _hang_up(self._sock)

@@ -189,11 +189,12 @@ class WorkerGroup:
         self._events.put(WorkerExited(self.generation, worker.spec.local_rank, returncode,
                                       worker.end_time))
 
-    def renumber(self, generation: int, rank_offset: int) -> None:
-        """The workers run on in-process in a new round: its event tag and their global ranks."""
-        self.generation = generation
-        for worker in self._workers.values():
-            worker.spec = replace(worker.spec, global_rank=rank_offset + worker.spec.local_rank)
+    def renumber(self, ranks: Mapping[int, int]) -> None:
+        """The workers run on in-process in a new group: their global ranks (by local rank)."""
+        for local_rank, rank in ranks.items():
+            worker = self._workers.get(local_rank)
+            if worker is not None:
+                worker.spec = replace(worker.spec, global_rank=rank)
 
     # -- state ----------------------------------------------------------------------------------
     @property

@@ -30,6 +30,7 @@ from ._history import (
     read_events,
 )
 from ._timeline import format_event
+from ._views import MembershipView
 from ._registry import (
     ENTRY_POINT_GROUP,
     RendezvousHandlerCreator,
@@ -46,6 +47,7 @@ __all__ = [
     "EVENT_KINDS",
     "EventLog",
     "EventWriter",
+    "MembershipView",
     "RendezvousBackendError",
     "RendezvousClosedError",
     "RendezvousConnectionError",

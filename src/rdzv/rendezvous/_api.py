@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, Iterator
 from ..errors import RendezvousParameterError
 from ..store import Store
 from ._params import check_config, convert_value, option_value
+from ._views import MembershipView
 
 _DEFAULT_POLL_INTERVAL = 1.0
 """Seconds between checks in the default :meth:`RendezvousHandler.wait_for_membership_change`."""
@@ -171,6 +172,13 @@ class RendezvousHandler(abc.ABC):
         its maximum size, and this node waits (without a deadline) to take the place of a
         member that leaves or is lost. False where the backend has no spares."""
         return False
+
+    def membership(self, since: int = 0,
+                   timeout: float = 0.0) -> tuple[MembershipView, int] | None:
+        """This member's round as seen now (counts of members alive, nodes waiting, members
+        moved on) and a revision to wait after, or None if the backend cannot tell (the
+        caller then uses :meth:`wait_for_membership_change`). See the dynamic backends."""
+        return None
 
     def announce_leaving(self) -> bool:
         """Tell the other members that this node leaves after its current round (graceful

@@ -52,7 +52,7 @@ from ._layout import (
 )
 from ._node import KeyLedger, PortReservation, new_node_id
 from ._sealer import Sealer
-from ._views import Membership, membership_change, observe_round
+from ._views import Membership, MembershipView, membership_view, observe_round
 
 logger = logging.getLogger(__name__)
 
@@ -229,13 +229,42 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + timeout
         path = self._keys.round(member.round + 1)
         while True:
-            changed, since = membership_change(self._store, self._keys, self._rules, member, path)
-            if changed:
+            view, since = membership_view(self._store, self._keys, self._rules, member, path)
+            if view.changed:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             self._watch(path, since, remaining)
+
+    def membership(self, since: int = 0, timeout: float = 0.0) -> tuple[MembershipView, int]:
+        """This member's round as seen now, and the revision to pass as ``since`` next time:
+        with ``since``, first waits (at most ``timeout`` s, one store timeout) until something
+        changed after it. Through the second client, so that a watcher never holds up the
+        round's own calls (or ``next_rendezvous``)."""
+        member = self._member
+        if member is None:
+            raise RendezvousError("membership() needs a completed round: call "
+                                  "next_rendezvous() first")
+        self.history.release()
+        store = self._query(always=True)
+        path = self._keys.round(member.round + 1)
+        if since:
+            store.watch(path, since, self._wait_seconds(timeout))
+        return membership_view(store, self._keys, self._rules, member, path)
+
+    def round_store(self, client: Store | None = None) -> Store:
+        """The store of this node's current round, as ``next_rendezvous`` returned it, through
+        ``client`` (one from :meth:`open_client`), or this node's own when None."""
+        member = self._member
+        if member is None:
+            raise RendezvousError("round_store() needs a completed round")
+        return PrefixStore(self._keys.user(member.round), client or self._store)
+
+    def open_client(self) -> Store | None:
+        """A new client of the run's store for a caller that blocks on it (the caller closes
+        it), or None when this node's client serves concurrent calls (etcd, file)."""
+        return self._open_query_store() if self._open_query_store is not None else None
 
     def announce_leaving(self) -> bool:
         """Withdraw this member's liveness in the next round (its ``expect`` key): the others

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..store import Store
-from ._decisions import RoundRules, RoundView, membership_changed
+from ._decisions import RoundRules, RoundView, membership_changed, nodes_waiting
 from ._layout import RunKeys, decode_int, decode_status
 
 
@@ -47,11 +47,41 @@ def observe_round(store: Store, keys: RunKeys, rules: RoundRules, r: int) -> tup
     return RoundView(False, False, alive, rejoined, expected, armed), seen
 
 
-def membership_change(
+@dataclass(frozen=True)
+class MembershipView:
+    """What a member sees of its round's membership now (the counts of one read)."""
+
+    round: int
+    world_size: int
+    alive: int
+    """Members whose liveness for the next round still exists (a lost member's is gone, and a
+    member announcing its leave withdraws it)."""
+    waiting: int
+    """Joiners of the next round: newcomers and members already moving on."""
+    moved: int
+    """Members already in the next round."""
+    closed: bool
+    newer_round_sealed: bool
+    max_nodes: int
+
+    @property
+    def newcomers(self) -> int:
+        """Waiting newcomers that fit (a full round ignores its spares)."""
+        return nodes_waiting(self.waiting, self.moved, self.world_size, self.max_nodes) - \
+            self.moved
+
+    @property
+    def changed(self) -> bool:
+        """Whether the member should re-rendezvous."""
+        return membership_changed(self.closed, self.waiting, self.moved, self.alive,
+                                  self.world_size, self.max_nodes, self.newer_round_sealed)
+
+
+def membership_view(
     store: Store, keys: RunKeys, rules: RoundRules, member: Membership, path: str
-) -> tuple[bool, int]:
-    """Whether a member should re-rendezvous, and the revision of ``path`` to watch from,
-    from one :meth:`Store.read_many`."""
+) -> tuple[MembershipView, int]:
+    """The member's view of its round, and the revision of ``path`` to watch from, from one
+    :meth:`Store.read_many`."""
     next_round = member.round + 1
     status, nodes, expect_dir, back_dir = (
         keys.status(next_round), keys.nodes(next_round), keys.expect_dir(next_round),
@@ -61,12 +91,13 @@ def membership_change(
         [status, keys.closed, keys.sealed], [nodes, expect_dir, back_dir], revisions=[path]
     )
     latest_sealed = decode_int(keys.sealed, reads.values[keys.sealed], -1)
-    return membership_changed(
-        closed=reads.values[status] is not None or reads.values[keys.closed] is not None,
-        waiting=reads.counts[nodes],
-        rejoined=reads.counts[back_dir],
-        alive_members=reads.counts[expect_dir],
+    return MembershipView(
+        round=member.round,
         world_size=member.world_size,
-        max_nodes=rules.max_nodes,
+        alive=reads.counts[expect_dir],
+        waiting=reads.counts[nodes],
+        moved=reads.counts[back_dir],
+        closed=reads.values[status] is not None or reads.values[keys.closed] is not None,
         newer_round_sealed=latest_sealed > member.round,
+        max_nodes=rules.max_nodes,
     ), reads.revisions[path]

@@ -18,7 +18,8 @@ from ._handler import (
     create_torch_handler,
     register_torch_backends,
 )
-from ._elastic import ElasticState, SwitchError
+from ._elastic import ElasticState
+from ._group import SwitchError
 from ._init import destroy_process_group, init_process_group
 from ._store import TorchStore
 

@@ -6,8 +6,9 @@ abort that wakes a pending collective (torch 2.13's ``ProcessGroupGloo.abort()``
 and the collective still waits), so the sockets the group opened are shut down instead: every
 read or write on them fails, and gloo raises in the waiting collective. The group's sockets are
 the connected (not listening) ones that appeared in the process while it was created
-(:class:`GroupSockets`); a socket is shut down only if its descriptor still names the same
-socket (not a later reuse of the number).
+(:class:`GroupSockets`), also while a creation is still under way (a new group waiting in its
+store for a peer that is gone); a socket is shut down only if its descriptor still names the
+same socket (not a later reuse of the number), and never the channel to the agent.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -44,30 +46,66 @@ def _sockets() -> dict[int, str]:
 
 
 class GroupSockets:
-    """The sockets of the current process group, to shut down when it must be aborted."""
+    """The sockets of this process's process groups, to shut down when the group must be aborted:
+    those of the current group, and those a group being created (or its store being prepared)
+    has opened so far, so an abort also fails a creation waiting on a lost peer."""
 
     def __init__(self) -> None:
-        self._fds: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._tracked: dict[int, str] = {}
+        self._creating: dict[int, dict[int, str]] = {}
+        self._excluded: set[str] = set()
+        self.aborts = 0
+        """How many aborts so far: a creation that began before the last one must not go on."""
+
+    def exclude(self, sock: socket.socket) -> None:
+        """Never shut ``sock`` down (the channel to the agent)."""
+        link = _sockets().get(sock.fileno())
+        if link is not None:
+            self._excluded.add(link)
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Note the sockets that appear while the block creates a process group."""
+        """Track the sockets that appear while the block creates a group (or its store)."""
         before = _sockets()
+        token = id(before)
+        with self._lock:
+            self._creating[token] = before
         try:
             yield
         finally:
-            self._fds = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+            appeared = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+            with self._lock:
+                del self._creating[token]
+                self._tracked.update(appeared)
+
+    def forget_closed(self) -> None:
+        """Drop the sockets that are closed now (a destroyed group's)."""
+        current = _sockets()
+        with self._lock:
+            self._tracked = {fd: link for fd, link in self._tracked.items()
+                             if current.get(fd) == link}
 
     def abort(self) -> int:
-        """Abort the current group: NCCL's communicators, gloo's sockets. Returns how many
-        sockets were shut down."""
+        """Abort every group: NCCL's communicators, the sockets of gloo, of the groups' stores
+        and of any group being created. Returns how many sockets were shut down."""
+        with self._lock:
+            self.aborts += 1
+            targets = dict(self._tracked)
+            if self._creating:
+                current = _sockets()
+                for before in self._creating.values():
+                    targets.update({fd: link for fd, link in current.items()
+                                    if before.get(fd) != link})
         if dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 dist.group.WORLD._get_backend(torch.device("cuda")).abort()  # type: ignore[union-attr]
             except (RuntimeError, AttributeError) as exc:
                 logger.warning("cannot abort the NCCL communicators: %s", exc)
         count = 0
-        for fd, link in self._fds.items():
+        for fd, link in targets.items():
+            if link in self._excluded:
+                continue
             try:
                 if os.readlink(os.path.join(_FD_DIR, str(fd))) != link:
                     continue  # closed, and the number reused since
@@ -83,5 +121,4 @@ class GroupSockets:
                 pass
             finally:
                 sock.close()
-        self._fds = {}
         return count

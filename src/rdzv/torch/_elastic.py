@@ -1,60 +1,59 @@
 """Training through membership changes without restarting: the worker side of in-process changes.
 
 Under ``rdzv run`` a worker that creates an :class:`ElasticState` connects to its agent (the
-channel named by ``RDZV_AGENT_CHANNEL``).
+channel named by ``RDZV_AGENT_CHANNEL``), reports its progress now and then, and follows the
+plans its agent sends, each the decision of a round for this worker (``rdzv._messages.Plan``):
 
-*A planned change* (a node joins or leaves): when the agents have formed the next round in the
-background they send each worker a *plan* (its new rank, world size and the new group's store)
-and then a *switch step*. The new group's store is made ready in the background at once, and
-training goes on. At the switch step, in :meth:`ElasticState.step_done`, every worker of the old
-group replaces its process group with the new one (same process, fresh store prefix), global
-rank 0 sends the state to the newcomers, and the ``on_change`` callbacks rebuild what depends on
-the group (DDP). A worker of a leaving node stops its loop there instead.
+* ``switch`` (a node joins or leaves): at the end of the planned step, in
+  :meth:`ElasticState.step_done`, the worker replaces its process group with the new one (same
+  process, fresh store prefix), the group agrees on its state (below) and the ``on_change``
+  callbacks rebuild what depends on the group (DDP). A worker already past the step moves at its
+  next step boundary; one whose group failed meanwhile moves at once.
+* ``leave`` (its node leaves): the worker stops its loop at the planned step.
+* ``recover`` (a member was lost): the agent aborts the group first, so a collective waiting on
+  the lost peer fails at once; :meth:`ElasticState.run` catches the failure, reports the step
+  it completed and enters the new group, and ``train`` runs again from the agreed state.
 
-*A lost member*: a collective fails (the dead peer's connections closed) or the agent aborts the
-group (a hung peer, :mod:`._abort`). :meth:`ElasticState.run` catches the failure, tells the
-agent the step it completed, and waits while the agents form the next round without the lost
-node. Then every survivor enters the new group and adopts the state of the survivor that
-completed the most steps (sent to the others over the new group), and ``train`` runs again from
-there: at most the failed step is done again, by the survivors that had not finished it.
-
-Under torchrun, or when a change cannot be made in-process, the agent restarts the workers as
-before: the same script then resumes from its checkpoint.
+On entering a group every worker gathers every worker's step and state digest and the group
+follows one rule (``_agreement.agree``): the most advanced state is kept (a step completed on
+some survivors is never undone) and every worker whose state differs receives it; the digests
+are compared again after the transfer, so no group trains on with parameters that differ. Under
+torchrun, or when a change cannot be made in-process, the agent restarts the workers as before:
+the same script then resumes from its checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .._channel import ENV_JOIN
-from ..errors import RendezvousError, RendezvousParameterError
-from ._group import STORE_TIMEOUT, agent_link, group_sockets, group_store, init_group
-from ._statesync import receive_state, send_state
+from .._messages import Broken, Entered, Failed, Left, Plan, PlanKind, Progress
+from ..errors import RendezvousParameterError
+from ._agreement import agree, divergent, gather_holdings, state_digest
+from ._group import (
+    AgentLink,
+    GroupLost,
+    SwitchError,
+    agent_link,
+    enter_group,
+    group_sockets,
+    joined_plan,
+    leave_group,
+)
+from ._statesync import encode_tree, receive_state, send_state
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-WAIT_SLICE = 1.0
-"""Seconds between checks that the agent is still there, while waiting for its decision."""
+PROGRESS_EVERY = 0.5
+"""Seconds between a worker's progress reports to its agent (its step and step time)."""
 PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset")
 """What the message of a collective that failed because a peer is gone contains."""
-PLAN_ENV = {"RANK": "rank", "WORLD_SIZE": "world_size", "GROUP_RANK": "group_rank",
-            "GROUP_WORLD_SIZE": "group_world_size", "ROLE_RANK": "role_rank",
-            "ROLE_WORLD_SIZE": "role_world_size", "MASTER_ADDR": "master_addr",
-            "MASTER_PORT": "master_port"}
-"""The variables ``rdzv run`` gives a worker, updated from the plan of each new group."""
-
-
-class SwitchError(RendezvousError):
-    """This worker could not move to the new process group; its agent restarts the workers."""
 
 
 class ElasticState:
@@ -95,26 +94,31 @@ class ElasticState:
         self.recoveries = 0
         self._backend = str(dist.get_backend())
         self._callbacks: list[Callable[[ElasticState], None]] = []
-        self._switch_at: int | None = None
-        self._checked = self.step
-        self._plan: dict[str, Any] | None = None
-        self._store: Future[dist.Store] | None = None
-        self._decision: dict[str, Any] | None = None
-        self._decided = threading.Event()
-        self._agent_gone = False
-        self._aborted = False
         self._last: float | None = None
         self._step_time: float | None = None
-        self._link = agent_link()
-        if self._link is not None:
-            self._link.attach(self)
-        if os.environ.get(ENV_JOIN) and self._link is not None:
-            started = time.perf_counter()
-            decision = self._wait_decision("join")
-            self._apply(receive_state(int(decision["source"]), self._device()))
-            self.received = True
-            self._checked = self.step
-            self._send({"op": "switched", "ms": (time.perf_counter() - started) * 1000})
+        self._reported = 0.0
+        self._aborts = group_sockets.aborts
+        self._link: AgentLink | None = agent_link()
+        if self._link is None:
+            return
+        self._link.progress = lambda: Progress(self.step, self._step_time)
+        plan = joined_plan()
+        if plan is None:
+            self._link.send(Progress(self.step))
+            return
+        started = time.perf_counter()  # a newcomer: it takes the state of the group it joined
+        while True:
+            try:
+                self.received = self._agree(plan, fresh=True)
+                break
+            except Exception as exc:
+                if not self._group_failure(exc):
+                    raise
+                self._link.send(Broken(self.step, fresh=True, error=_first_line(exc)))
+                plan = self._enter_next(fresh=True)
+                if plan is None:
+                    return
+        self._entered(plan, started, self.received, callbacks=False)
 
     # -- the loop ---------------------------------------------------------------------------
     def on_change(self, callback: Callable[["ElasticState"], None]) -> Callable[..., None]:
@@ -130,9 +134,11 @@ class ElasticState:
             self.step_done()
 
     def step_done(self) -> None:
-        """Count a completed step; at the agreed step, switch to the new group (or leave).
+        """Count a completed step; at the planned step, move to the new group (or leave).
 
-        Costs an attribute check unless a switch is due (see ``bench/membership.py``)."""
+        Costs a clock read and an attribute check unless a move is due (see
+        ``bench/membership.py``); every ``PROGRESS_EVERY`` seconds a progress report to the
+        agent."""
         self.step += 1
         now = time.perf_counter()
         if self._last is not None:
@@ -140,13 +146,21 @@ class ElasticState:
             self._step_time = elapsed if self._step_time is None else (
                 0.8 * self._step_time + 0.2 * elapsed)
         self._last = now
-        self._checked = self.step
-        if self._switch_at is not None and self.step >= self._switch_at:
-            self._at_switch_step()
+        link = self._link
+        if link is None:
+            return
+        if now - self._reported >= PROGRESS_EVERY:
+            self._reported = now
+            link.send(Progress(self.step, self._step_time))
+        plan = link.peek()
+        if plan is not None and (plan.kind is PlanKind.RECOVER or plan.kind is PlanKind.STAY
+                                 or plan.step is None or self.step >= plan.step):
+            self._move(*link.take())
 
-    def run(self, train: Callable[[], T]) -> T:
+    def run(self, train: Callable[[], T]) -> T | None:
         """Call ``train()`` (the training loop) and return what it returns; when a member of the
-        group is lost while it runs, recover in-process and call it again.
+        group is lost while it runs, recover in-process and call it again (None: this node left
+        the job while its group was broken).
 
         ``train`` resumes from :attr:`step`: write the loop as ``for step in
         state.steps(total)``. Put every collective of a step before ``optimizer.step()`` (DDP's
@@ -160,144 +174,121 @@ class ElasticState:
             except Exception as exc:
                 if self._link is None or not self._group_failure(exc):
                     raise
-                self._recover(exc)
+                if not self._recover(exc):
+                    return None
 
     @property
     def step_time(self) -> float | None:
         """Recent seconds per step (a moving average), None before two steps."""
         return self._step_time
 
-    # -- what the agent says (on the channel's thread) -------------------------------------
-    def on_agent(self, message: dict[str, Any]) -> None:
-        op = message["op"]
-        if op == "query":
-            self._send({"op": "progress", "step": self._checked, "step_time": self._step_time})
-        elif op == "plan":
-            self._plan = message
-            if not message.get("leave"):
-                self._store = Future()
-                threading.Thread(target=self._prepare, args=(message, self._store),
-                                 daemon=True, name="rdzv-next-group").start()
-        elif op == "switch":
-            self._decision = message
-            self._switch_at = int(message["step"])
-            if self._checked > self._switch_at:
-                self._send({"op": "missed", "step": self._checked})
-        elif op == "abort":
-            self._aborted = True
-            aborted = group_sockets.abort()
-            logger.warning("a member of the group is lost: aborted the group (%d sockets)", aborted)
-        elif op in ("recover", "join"):
-            self._decision = message
-            self._decided.set()
-        elif op == "closed":
-            self._agent_gone = True
-            self._decided.set()
-
-    @staticmethod
-    def _prepare(plan: dict[str, Any], future: "Future[dist.Store]") -> None:
-        try:
-            future.set_result(group_store(str(plan["master_addr"]), int(plan["master_port"]),
-                                          int(plan["rank"]), int(plan["world_size"])))
-        except Exception as exc:  # handed to the switch, which reports it
-            future.set_exception(exc)
-
-    # -- a planned switch ----------------------------------------------------------------------
-    def _at_switch_step(self) -> None:
-        target, plan, decision = self._switch_at, self._plan, self._decision
-        self._switch_at = None
-        if target is None or self.step > target:
-            self._send({"op": "missed", "step": self.step})
+    # -- moving to a new group ---------------------------------------------------------------
+    def _move(self, plan: Plan, aborts: int) -> None:
+        """At a step boundary: act on the agent's plan (on the training thread)."""
+        assert self._link is not None
+        if plan.kind is PlanKind.STAY:
+            return
+        if plan.kind is PlanKind.LEAVE:
+            leave_group()
+            self.left = True
+            self._link.send(Left(self.step))
             return
         started = time.perf_counter()
-        try:
-            if plan is None or decision is None:
-                raise SwitchError("the agent announced a switch without a plan")
-            if self._backend == "nccl":
-                torch.cuda.synchronize()  # the step's last kernels, before the group goes
-            dist.destroy_process_group()
-            if plan.get("leave"):
+        leave_group()
+        enter_group(self._backend, plan, aborts)
+        self._entered(plan, started, self._agree(plan, fresh=False))
+
+    def _recover(self, exc: BaseException) -> bool:
+        """The group failed under this worker: report it, then enter the group its agent plans
+        (False: its node leaves instead)."""
+        assert self._link is not None
+        started = time.perf_counter()
+        logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
+                       self.step, type(exc).__name__, _first_line(exc))
+        self._link.send(Broken(self.step, error=_first_line(exc)))
+        group_sockets.abort()
+        leave_group()
+        while True:
+            plan = self._enter_next(fresh=False)
+            if plan is None:
+                return False
+            try:
+                received = self._agree(plan, fresh=False)
+            except Exception as error:
+                if not self._group_failure(error):
+                    raise
+                self._link.send(Broken(self.step, error=_first_line(error)))
+                continue
+            self.recoveries += 1
+            self._entered(plan, started, received)
+            return True
+
+    def _enter_next(self, fresh: bool) -> Plan | None:
+        """Wait for the next plan naming a group and enter it (None: its node leaves); a group
+        that fails to form is reported and the next plan awaited."""
+        assert self._link is not None
+        while True:
+            plan, aborts = self._link.wait(lambda p: p.kind is not PlanKind.STAY)
+            if plan.kind is PlanKind.LEAVE:
                 self.left = True
-            else:
-                self._enter(plan, decision)
-        except Exception as exc:
-            self._send({"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
-            if isinstance(exc, SwitchError):
-                raise
-            raise SwitchError(f"cannot switch to the new process group: {exc}") from exc
-        self.switches += 1
-        self._switched(started)
+                self._link.send(Left(self.step))
+                return None
+            try:
+                leave_group()
+                enter_group(self._backend, plan, aborts)
+                return plan
+            except GroupLost as exc:
+                self._link.send(Broken(self.step, fresh=fresh, error=_first_line(exc)))
 
-    def _enter(self, plan: dict[str, Any], decision: dict[str, Any]) -> None:
-        """Create the new group of ``plan`` and move the state as ``decision`` says."""
-        assert self._store is not None
-        store = self._store.result(timeout=STORE_TIMEOUT.total_seconds())
-        rank, world_size = int(plan["rank"]), int(plan["world_size"])
-        init_group(self._backend, store, str(plan["prefix"]), rank, world_size)
-        os.environ.update({name: str(plan[key]) for name, key in PLAN_ENV.items()})
-        self.rank, self.world_size = rank, world_size
-        source = int(decision.get("source", 0))
-        receivers = [int(r) for r in decision.get("receivers", [])]
-        if rank == source and receivers:
-            sent = send_state(self._tree(), receivers, self._device())
+    def _agree(self, plan: Plan, fresh: bool) -> bool:
+        """Bring every worker of the new group to one state (see ``_agreement``); whether this
+        worker received it."""
+        device = self._device()
+        skeleton, tensors = encode_tree(self._tree())
+        digest = (0, 0, 0) if fresh else state_digest(skeleton, tensors)
+        holdings = gather_holdings(self.step, fresh, digest, device)
+        source, receivers = agree(holdings, plan.source)
+        if source is None:
+            return False
+        odd = divergent(holdings, source)
+        if odd:
+            logger.warning("ranks %s held other parameters than rank %d at step %d: they "
+                           "receive its state", odd, source, self.step)
+        if not receivers:
+            return False
+        received = self.rank in receivers
+        if self.rank == source:
+            sent = send_state(self._tree(), receivers, device)
             logger.info("sent %d bytes of state to ranks %s", sent, receivers)
-        elif rank in receivers:
-            self._apply(receive_state(source, self._device()))
-        for callback in self._callbacks:
-            callback(self)
+        elif received:
+            self._apply(receive_state(source, device))
+            digest = state_digest(*encode_tree(self._tree()))
+        after = gather_holdings(self.step, False, digest, device)
+        if any((h.step, h.digest) != (after[source].step, after[source].digest) for h in after):
+            assert self._link is not None
+            self._link.send(Failed("the workers hold different states after the transfer"))
+            raise SwitchError(f"the workers still hold different states after receiving rank "
+                              f"{source}'s: is every node running the same program?")
+        return received
 
-    def _switched(self, started: float) -> None:
-        elapsed = (time.perf_counter() - started) * 1000
+    def _entered(self, plan: Plan, started: float, received: bool,
+                 callbacks: bool = True) -> None:
+        assert self._link is not None
+        self.rank, self.world_size = plan.rank, plan.world_size
+        self._aborts = group_sockets.aborts
+        if plan.kind is PlanKind.SWITCH:
+            self.switches += 1
+        if callbacks:
+            for callback in self._callbacks:
+                callback(self)
         self._last = time.perf_counter()  # the pause is not a step
-        self._send({"op": "switched", "ms": elapsed, "left": self.left})
+        self._link.send(Entered(plan.round, (self._last - started) * 1000, self.step, received))
 
-    # -- a lost member ---------------------------------------------------------------------
     def _group_failure(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the group failing under this worker (not a bug of its own)."""
-        if self._aborted or isinstance(exc, dist.DistError):
+        if isinstance(exc, (GroupLost, dist.DistError)) or group_sockets.aborts != self._aborts:
             return True
         return isinstance(exc, RuntimeError) and any(w in str(exc) for w in PEER_FAILURE_WORDS)
-
-    def _recover(self, exc: BaseException) -> None:
-        started = time.perf_counter()
-        self._decision = None
-        self._decided.clear()
-        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
-                       self.step, type(exc).__name__, first_line)
-        self._send({"op": "broken", "step": self.step, "error": first_line})
-        group_sockets.abort()
-        try:
-            dist.destroy_process_group()
-        except Exception as error:  # a broken group may not even tear down cleanly
-            logger.warning("destroying the failed group: %s", error)
-        decision = self._wait_decision("recover")
-        plan = self._plan
-        if plan is None:
-            raise SwitchError("the agent sent no plan for the new group") from exc
-        self._aborted = False
-        try:
-            self._enter(plan, decision)
-        except Exception as error:
-            self._send({"op": "failed", "error": f"{type(error).__name__}: {error}"})
-            raise SwitchError(f"cannot recover in the new process group: {error}") from error
-        self.recoveries += 1
-        self._checked = self.step
-        self._switched(started)
-
-    def _wait_decision(self, op: str) -> dict[str, Any]:
-        """The agents' ``op`` decision (``recover``/``join``); SwitchError if they restart the
-        workers instead or this worker's agent is gone. No deadline of its own: the agent bounds
-        every transition and stops its workers when one fails."""
-        while not self._decided.wait(WAIT_SLICE):
-            pass
-        decision = self._decision
-        if self._agent_gone or decision is None:
-            raise SwitchError("this worker's rdzv agent is gone")
-        if decision["op"] != op:
-            raise SwitchError(f"the agent sent {decision['op']!r} while this worker waited for "
-                              f"{op!r}")
-        return decision
 
     # -- the state ----------------------------------------------------------------------------
     def _tree(self) -> dict[str, Any]:
@@ -314,6 +305,8 @@ class ElasticState:
             self.step = int(tree["step"])
             self.values.update(tree["values"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            assert self._link is not None
+            self._link.send(Failed(f"the state received does not fit: {exc}"))
             raise SwitchError(f"the state received from a peer does not fit this worker's model "
                               f"and optimizer (is every node running the same program?): "
                               f"{exc}") from exc
@@ -323,6 +316,6 @@ class ElasticState:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _send(self, message: dict[str, Any]) -> None:
-        if self._link is not None:
-            self._link.send(message)
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]

@@ -1,83 +1,206 @@
 """A worker's side of in-process changes, below :class:`ElasticState`: its connection to its
-agent, and creating (or joining) a process group under a round's own store prefix."""
+agent (the plans it receives, aborts, its SIGTERM notice), and creating a process group under a
+round's own store prefix.
+
+The plans of the agent (``rdzv._messages.Plan``) arrive on the channel's thread and wait here
+for the training thread, which takes the newest one when it can act on it: at a step boundary,
+when its group failed, or (a worker started to join) in ``init_process_group``. An ``Abort``
+drops a plan not yet taken (its round was abandoned) and shuts down the sockets of every group
+of the process, also one being created, so whatever waits on a lost peer fails at once.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from .._channel import ENV_CHANNEL, ENV_JOIN, ChannelClient
-from ..errors import RendezvousParameterError
+from .._messages import Abort, Broken, Closed, Left, Plan, PlanKind, Progress, Query, Stop, Term
+from ..errors import RendezvousError, RendezvousParameterError
 from ._abort import GroupSockets
 
+logger = logging.getLogger(__name__)
+
 LISTEN_POLL = 0.002
-"""Seconds between a newcomer's or survivor's attempts to reach the new group's store."""
+"""Seconds between a worker's attempts to reach the new group's store before it listens."""
 STORE_TIMEOUT = timedelta(minutes=5)
-"""How long the new group's store waits for its members (the agents' switch timeout is lower)."""
+"""How long a new group's store waits for its members (an abort ends it sooner)."""
+WAIT_SLICE = 1.0
+"""Seconds between checks that the agent is still there, while a worker waits for a plan."""
 
 group_sockets = GroupSockets()
-"""The sockets of this process's current group (to abort it when a peer is lost)."""
+"""The sockets of this process's groups (to abort them when a peer is lost)."""
 group_options: dict[str, Any] = {"timeout": timedelta(minutes=10), "kwargs": {}}
 """How ``init_process_group`` was called (timeout, other keywords such as ``device_id``): every
-group this worker creates or joins in-process is made the same way."""
+group this worker creates in-process is made the same way."""
 
 
-class AgentListener(Protocol):
-    def on_agent(self, message: dict[str, Any]) -> None: ...
+class SwitchError(RendezvousError):
+    """This worker could not move to the new process group; its agent restarts the workers."""
+
+
+class GroupLost(Exception):
+    """The group this worker is in, or is entering, failed (a peer is gone, or the agent aborted
+    it): the worker reports it and waits for its agent's next plan."""
 
 
 class AgentLink:
-    """This worker's connection to its agent, shared by init and :class:`ElasticState`.
+    """This worker's connection to its agent: the plans it sent, whether it aborted, and the
+    progress reports; one per process (:func:`agent_link`)."""
 
-    Messages that arrive before a listener is attached wait for it (a newcomer's agent may
-    answer before the state exists)."""
+    def __init__(self, path: str, fresh: bool) -> None:
+        self.fresh = fresh
+        self._cond = threading.Condition()
+        self._plan: Plan | None = None
+        self._gone = False
+        self._stopping = False
+        self._noticed = False
+        self.progress: Callable[[], Progress] = lambda: Progress(0)
+        self.client = ChannelClient(path, int(os.environ.get("LOCAL_RANK", "0")), self._on, fresh)
+        group_sockets.exclude(self.client.sock)
+        self._watch_sigterm()
 
-    def __init__(self, path: str) -> None:
-        self._listener: AgentListener | None = None
-        self._early: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self.client = ChannelClient(path, int(os.environ.get("LOCAL_RANK", "0")), self._on)
+    # -- the agent's messages (channel thread) ------------------------------------------------
+    def _on(self, message: Any) -> None:
+        if isinstance(message, Plan):
+            with self._cond:
+                self._plan = message
+                self._cond.notify_all()
+        elif isinstance(message, Abort):
+            with self._cond:
+                self._plan = None  # a plan not taken yet belongs to an abandoned round
+                self._cond.notify_all()
+            aborted = group_sockets.abort()
+            logger.warning("the agent aborted the process group (a member is lost): %d "
+                           "socket(s) shut down", aborted)
+        elif isinstance(message, Query):
+            self.send(self.progress())
+        elif isinstance(message, Stop):
+            self._on_stop()
+        elif isinstance(message, Closed):
+            with self._cond:
+                self._gone = True
+                self._cond.notify_all()
 
-    def _on(self, message: dict[str, Any]) -> None:
-        with self._lock:
-            listener = self._listener
-            if listener is None:
-                self._early.append(message)
-                return
-        listener.on_agent(message)
-
-    def attach(self, listener: AgentListener) -> None:
-        with self._lock:
-            self._listener, early, self._early = listener, self._early, []
-        for message in early:
-            listener.on_agent(message)
-
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Any) -> None:
         self.client.send(message)
+
+    # -- plans (training thread) --------------------------------------------------------------
+    def peek(self) -> Plan | None:
+        """The newest plan not taken yet."""
+        return self._plan
+
+    def take(self) -> tuple[Plan, int]:
+        """Take the newest plan, with the abort count it was taken at."""
+        with self._cond:
+            plan, self._plan = self._plan, None
+        assert plan is not None
+        return plan, group_sockets.aborts
+
+    def wait(self, accept: Callable[[Plan], bool]) -> tuple[Plan, int]:
+        """Wait for a plan that ``accept`` takes (others are dropped); SwitchError if the agent
+        is gone. No deadline of its own: the agent bounds every transition and stops its
+        workers when one fails."""
+        with self._cond:
+            while True:
+                plan = self._plan
+                if plan is not None and accept(plan):
+                    self._plan = None
+                    return plan, group_sockets.aborts
+                if plan is not None:
+                    self._plan = None
+                if self._gone:
+                    raise SwitchError("this worker's rdzv agent is gone")
+                self._cond.wait(WAIT_SLICE)
+
+    # -- stopping and SIGTERM ------------------------------------------------------------------
+    def _watch_sigterm(self) -> None:
+        """Under ``rdzv run`` a SIGTERM (Slurm and many runtimes signal every process of a node
+        at once) is the node's notice to leave: the worker tells its agent and trains on until
+        the others have moved on. A program that set its own SIGTERM handler keeps it."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, _frame: Any) -> None:
+        if self._stopping or self._noticed:  # the agent stops this worker, or a second one
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._noticed = True
+        # Not from here: the training thread may hold the channel's send lock right now.
+        threading.Thread(target=self.send, args=(Term(),), daemon=True).start()
+
+    def _on_stop(self) -> None:
+        """The agent stops its workers: its SIGTERM follows (or came first, taken for a
+        notice): end now, as SIGTERM's default action would."""
+        self._stopping = True
+        if self._noticed:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGTERM)
 
 
 _link: AgentLink | None = None
+_joined: Plan | None = None
 
 
-def agent_link() -> AgentLink | None:
+def joined_plan() -> Plan | None:
+    """The plan of the group this worker joined when it started (None: it started with the
+    group, or under torchrun): :class:`ElasticState` then takes the group's state."""
+    return _joined
+
+
+def join_running_group(backend: str) -> tuple[int, int]:
+    """A worker started to join a running group (``RDZV_INPROCESS_JOIN``): tell the agent it is
+    up (warm), wait for its plan and enter the group it names; a group that fails to form is
+    reported and the next plan awaited. Returns (rank, world size)."""
+    global _joined
+    link = agent_link(fresh=True)
+    if link is None:
+        raise RendezvousParameterError(
+            f"{ENV_JOIN} is set but {ENV_CHANNEL} is not: both come from `rdzv run`; do not "
+            "set them by hand")
+    while True:
+        plan, aborts = link.wait(lambda p: p.kind is not PlanKind.STAY)
+        if plan.kind is PlanKind.LEAVE:  # its node leaves before it ever joined
+            link.send(Left(0))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        try:
+            enter_group(backend, plan, aborts)
+        except GroupLost as exc:
+            link.send(Broken(0, fresh=True, error=str(exc)[:300]))
+            continue
+        _joined = plan
+        return plan.rank, plan.world_size
+
+
+def agent_link(fresh: bool = False) -> AgentLink | None:
     """The connection to this worker's rdzv agent (None when not started by ``rdzv run``)."""
     global _link
     path = os.environ.get(ENV_CHANNEL)
     if _link is None and path:
-        _link = AgentLink(path)
+        _link = AgentLink(path, fresh)
     return _link
 
 
 def group_store(addr: str, port: int, rank: int, world_size: int) -> dist.Store:
-    """The TCPStore of a group created in-process (global rank 0 serves it, starting it when it
-    gets the plan, as the others do: they wait for it to listen first, since torch's client
-    backs off for about 0.4 s when its first connection is refused)."""
+    """The TCPStore of a group created in-process (its global rank 0 serves it; the others
+    wait for it to listen first, since torch's client backs off for about 0.4 s when its first
+    connection is refused)."""
     if rank != 0:
         _wait_listening(addr, port, STORE_TIMEOUT.total_seconds())
     return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT,
@@ -96,24 +219,46 @@ def _wait_listening(addr: str, port: int, timeout: float) -> None:
             time.sleep(LISTEN_POLL)
 
 
-def init_group(backend: str, store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
-    """Start the default process group on ``store`` under the round's own ``prefix``, as the
-    worker's first one was (``group_options``)."""
-    with group_sockets.recording():
-        dist.init_process_group(backend, store=dist.PrefixStore(f"{prefix}/", store), rank=rank,
-                                world_size=world_size, timeout=group_options["timeout"],
-                                **group_options["kwargs"])
+def enter_group(backend: str, plan: Plan, aborts: int) -> None:
+    """Create (join) the process group of ``plan`` as the default group, the way the worker's
+    first one was made (``group_options``). GroupLost if it fails or an abort came since the
+    plan was taken (``aborts``): the group's round was abandoned."""
+    if plan.kind not in (PlanKind.SWITCH, PlanKind.RECOVER):
+        raise SwitchError(f"a {plan.kind.value!r} plan names no group to enter")
+    try:
+        with group_sockets.recording():
+            if group_sockets.aborts != aborts:
+                raise GroupLost("the agent aborted the group before it was created")
+            store = group_store(plan.master_addr, plan.master_port, plan.rank, plan.world_size)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"{plan.prefix}/", store),
+                                    rank=plan.rank, world_size=plan.world_size,
+                                    timeout=group_options["timeout"], **group_options["kwargs"])
+    except GroupLost:
+        raise
+    except Exception as exc:  # torch raises RuntimeError, DistError, DistNetworkError, ...
+        leave_group()
+        raise GroupLost(f"cannot create the group of round {plan.round}: "
+                        f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    os.environ.update({name: str(getattr(plan, key)) for name, key in PLAN_ENV.items()})
 
 
-def join_running_group(backend: str) -> tuple[int, int]:
-    """A newcomer's start: tell the agent it is up (warm), then wait in the new group's
-    creation until the running workers switch to it."""
-    if agent_link() is None:
-        raise RendezvousParameterError(
-            f"{ENV_JOIN} is set but {ENV_CHANNEL} is not: both come from `rdzv run`; do not "
-            "set them by hand")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = group_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
-                        world_size)
-    init_group(backend, store, os.environ[ENV_JOIN], rank, world_size)
-    return rank, world_size
+PLAN_ENV = {"RANK": "rank", "WORLD_SIZE": "world_size", "GROUP_RANK": "group_rank",
+            "GROUP_WORLD_SIZE": "group_world_size", "ROLE_RANK": "role_rank",
+            "ROLE_WORLD_SIZE": "role_world_size", "MASTER_ADDR": "master_addr",
+            "MASTER_PORT": "master_port"}
+"""The variables ``rdzv run`` gives a worker, updated from the plan of each group it enters."""
+
+
+def leave_group() -> None:
+    """Destroy the default group if there is one (a broken group may not tear down cleanly)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # a failed group's teardown can fail too: it is gone either way
+        logger.warning("destroying the process group: %s", _first_line(exc))
+    group_sockets.forget_closed()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]

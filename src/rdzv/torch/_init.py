@@ -66,17 +66,19 @@ def init_process_group(
         RendezvousParameterError: rank or world size is unknown or invalid (the message says
             which variable or argument to give).
     """
-    rank = _env_int("RANK", rank)
-    world_size = _env_int("WORLD_SIZE", world_size)
-    if not 0 <= rank < world_size:
-        raise RendezvousParameterError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     timeout = timeout or DEFAULT_TIMEOUT
     group_options.update(timeout=timeout, kwargs=dict(kwargs))
     if store is None and os.environ.get(ENV_JOIN):
         rank, world_size = join_running_group(backend)
-    elif store is None:
+        logger.info("joined the running group %s: rank %d of %d", backend, rank, world_size)
+        return rank, world_size
+    rank = _env_int("RANK", rank)
+    world_size = _env_int("WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise RendezvousParameterError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")
+    if store is None:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
             raise RendezvousParameterError(

@@ -40,6 +40,12 @@ def _encode(node: Any, tensors: list[torch.Tensor]) -> Any:
                     "numbers, strings, None, lists, tuples and dicts only")
 
 
+def encode_tree(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``tree`` as its JSON skeleton (each tensor replaced by its index) and its tensors."""
+    tensors: list[torch.Tensor] = []
+    return _encode(tree, tensors), tensors
+
+
 def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
     if not isinstance(node, dict):
         return node
@@ -80,8 +86,8 @@ def _dtype(name: str) -> torch.dtype:
 
 def send_state(tree: Any, destinations: list[int], device: torch.device) -> int:
     """Send ``tree`` to each global rank of ``destinations``; the bytes sent to each."""
-    tensors: list[torch.Tensor] = []
-    header = {"format": FORMAT, "tree": _encode(tree, tensors),
+    skeleton, tensors = encode_tree(tree)
+    header = {"format": FORMAT, "tree": skeleton,
               "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]}
     raw = json.dumps(header, separators=(",", ":")).encode()
     length = torch.tensor([len(raw)], dtype=torch.int64, device=device)

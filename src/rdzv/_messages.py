@@ -1,0 +1,189 @@
+"""The messages between an agent and its workers, as typed values (the channel carries them as
+JSON lines, :mod:`._channel`).
+
+agent -> worker:
+    :class:`Plan`   the decision of a round, for this worker: how its group changes (``kind``),
+                    its place in the new group and the step at which it moves.
+    :class:`Abort`  a member of the worker's group is gone: abort the group now (a collective
+                    waiting on the lost peer fails instead of waiting for the group's timeout).
+    :class:`Query`  asks for a :class:`Progress`.
+    :class:`Stop`   the agent stops its workers: exit now (the agent's SIGTERM follows).
+worker -> agent:
+    :class:`Hello`     connected: ``fresh`` when the worker holds no training state yet (it was
+                       started to join a running group).
+    :class:`Progress`  completed ``step`` and the recent ``step_time``.
+    :class:`Broken`    its group failed at ``step``; it waits for the next plan.
+    :class:`Entered`   it is in the group of round ``round`` (``ms``: its pause).
+    :class:`Left`      it left the job at ``step`` (its node leaves).
+    :class:`Failed`    it cannot follow the plan (not a group failure); it exits.
+    :class:`Term`      it received SIGTERM: the node's notice to leave.
+    :class:`Closed`    (made by the agent's channel) the worker's connection ended.
+
+Every message has a ``type`` tag and typed fields; :func:`decode` checks both, so a malformed
+line is a :class:`ChannelError` naming what is wrong, never a KeyError later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+from .errors import RendezvousError
+
+
+class ChannelError(RendezvousError):
+    """A message on the agent-worker channel is malformed or the channel is gone."""
+
+
+class PlanKind(enum.Enum):
+    """How a worker's group changes in a round (the agents' decision, see ``agent/_decide.py``)."""
+
+    SWITCH = "switch"
+    """A planned change: at the end of step ``step`` the worker moves to the new group."""
+    RECOVER = "recover"
+    """A member was lost: the worker moves to the new group at once (its group is broken)."""
+    STAY = "stay"
+    """Nothing changes for the worker's group: only the round's number does."""
+    LEAVE = "leave"
+    """This worker's node leaves: the worker stops at the end of step ``step``."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    round: int
+    kind: PlanKind
+    step: int | None = None
+    """SWITCH/LEAVE: the step at whose end the worker moves; RECOVER: the step adopted."""
+    source: int | None = None
+    """The global rank (new group) whose state the others adopt (None: nobody holds one)."""
+    rank: int = 0
+    world_size: int = 0
+    group_rank: int = 0
+    group_world_size: int = 0
+    role_rank: int = 0
+    role_world_size: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    prefix: str = ""
+    """The new group's key prefix in its store (a fresh one per group)."""
+    TYPE: ClassVar[str] = "plan"
+
+
+@dataclass(frozen=True)
+class Abort:
+    TYPE: ClassVar[str] = "abort"
+
+
+@dataclass(frozen=True)
+class Query:
+    TYPE: ClassVar[str] = "query"
+
+
+@dataclass(frozen=True)
+class Stop:
+    TYPE: ClassVar[str] = "stop"
+
+
+@dataclass(frozen=True)
+class Hello:
+    local_rank: int
+    pid: int
+    fresh: bool = False
+    TYPE: ClassVar[str] = "hello"
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    step_time: float | None = None
+    TYPE: ClassVar[str] = "progress"
+
+
+@dataclass(frozen=True)
+class Broken:
+    step: int
+    fresh: bool = False
+    """It holds no training state (a joiner whose first group failed)."""
+    error: str = ""
+    TYPE: ClassVar[str] = "broken"
+
+
+@dataclass(frozen=True)
+class Entered:
+    round: int
+    ms: float
+    step: int
+    received: bool = False
+    TYPE: ClassVar[str] = "entered"
+
+
+@dataclass(frozen=True)
+class Left:
+    step: int
+    TYPE: ClassVar[str] = "left"
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str
+    TYPE: ClassVar[str] = "failed"
+
+
+@dataclass(frozen=True)
+class Term:
+    TYPE: ClassVar[str] = "term"
+
+
+@dataclass(frozen=True)
+class Closed:
+    TYPE: ClassVar[str] = "closed"
+
+
+ToWorker = Union[Plan, Abort, Query, Stop]
+ToAgent = Union[Hello, Progress, Broken, Entered, Left, Failed, Term]
+TO_WORKER: dict[str, type] = {cls.TYPE: cls for cls in (Plan, Abort, Query, Stop)}
+TO_AGENT: dict[str, type] = {cls.TYPE: cls for cls in (Hello, Progress, Broken, Entered, Left,
+                                                      Failed, Term)}
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "int | None": (int, type(None)), "float": (int, float),
+    "float | None": (int, float, type(None)), "str": (str,), "bool": (bool,),
+}
+
+
+def encode(message: Any) -> bytes:
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    fields = {k: v.value if isinstance(v, enum.Enum) else v for k, v in fields.items()}
+    return json.dumps({"type": message.TYPE, **fields}, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes, types: dict[str, type]) -> Any:
+    """One line as a message of one of ``types``, or ChannelError saying what is wrong."""
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        raise ChannelError(f"not JSON on the agent channel: {line[:80]!r}") from exc
+    cls = types.get(data.get("type")) if isinstance(data, dict) else None
+    if cls is None:
+        raise ChannelError(f"unknown message on the agent channel: {line[:80]!r}")
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in data:
+            if field.default is dataclasses.MISSING:
+                raise ChannelError(f"a {cls.TYPE!r} message without {field.name!r}: "
+                                   f"{line[:80]!r}")
+            continue
+        value = data[field.name]
+        if field.type == "PlanKind":
+            try:
+                value = PlanKind(value)
+            except ValueError:
+                raise ChannelError(f"unknown plan kind {value!r} on the agent channel") from None
+        elif not isinstance(value, _FIELD_TYPES[str(field.type)]) or (
+                isinstance(value, bool) and str(field.type).startswith(("int", "float"))):
+            raise ChannelError(f"field {field.name!r} of a {cls.TYPE!r} message is "
+                               f"{value!r}, not {field.type}")
+        values[field.name] = value
+    return cls(**values)

@@ -1,0 +1,553 @@
+"""The executor of a node's protocol: it turns what happens into the events of ``_protocol.py``,
+asks :func:`~._rules.step` what to do, and does it.
+
+Everything the node waits on arrives as an event on one queue: a round formed
+(``next_rendezvous_async``), a worker spoke on the channel or exited (one thread per worker in
+``waitpid``), the membership or the round's control keys changed (``_watch.py``), a signal.
+The loop takes them one at a time; nothing here decides, and every action is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
+
+from .._channel import ChannelServer
+from .._messages import Abort, Entered, Plan, PlanKind, Stop
+from ..errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from ..rendezvous import RendezvousInfo
+from ..store import Store
+from ._decide import DecideContext, decide
+from ._errors import WorkerFailure, failure_summary
+from ._history import (
+    MAX_FAILURES,
+    failure_fields,
+    heartbeat_every,
+    record,
+    report_losses,
+    session_ttl,
+)
+from ._protocol import (
+    Act,
+    Assigned,
+    Decided,
+    Exited,
+    FormFailed,
+    Formed,
+    FromWorker,
+    LeaveFailed,
+    Node,
+    Phase,
+    Rules,
+    Slot,
+    Tick,
+    Worker,
+)
+from ._records import (
+    DECISION_KEY,
+    HINT_KEY,
+    NEXT_KEY,
+    Decision,
+    Kind,
+    NodeRecord,
+    SlotReport,
+    abandon_key,
+    assign_key,
+    dumps_assignment,
+    dumps_decision,
+    dumps_record,
+    loads_assignment,
+    loads_decision,
+    ready_key,
+    record_key,
+)
+from ._round import (
+    LEAVING_DIR,
+    all_done,
+    hosts_store,
+    mark_alive,
+    mark_done,
+    reserve_workers_port,
+    wait_until_others_left,
+)
+from ._rules import step
+from ._watch import Watcher, watch_finish, watch_membership, watch_next, watch_round
+from ._workers import WorkerExited, WorkerGroup
+
+if TYPE_CHECKING:
+    from ._agent import ElasticAgent
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL = 10.0
+"""Seconds between 'still waiting' lines while a round forms."""
+LEAVE_TIMEOUT = 30.0
+"""Seconds the node serving the store waits for the others to leave a finished round."""
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Event: the background rendezvous finished (its future holds the round or the error)."""
+
+    future: "Future[RendezvousInfo]"
+
+
+class NodeRun:
+    """One node's run: the event loop and the actions of its protocol."""
+
+    def __init__(self, agent: "ElasticAgent") -> None:
+        config = agent.config
+        self.agent, self.config, self.handler = agent, config, agent.handler
+        self.events = agent.events
+        self.rules = Rules(config.nproc_per_node, config.max_restarts, config.switch_timeout,
+                           config.leave_grace, config.restart_on_change, config.min_nodes)
+        self.node = Node(slots=(Slot(state=Worker.GONE),) * config.nproc_per_node)
+        self.link = ChannelServer(lambda lr, message: self.events.put(FromWorker(lr, message)))
+        agent.channel_path = self.link.path
+        self.info: RendezvousInfo | None = None
+        """The round the node is in (formed last)."""
+        self.group_info: RendezvousInfo | None = None
+        """The round whose group the workers run in."""
+        self.group: WorkerGroup | None = None
+        self.exit_code: int | None = None
+        self._future: Future[RendezvousInfo] | None = None
+        self._joining_since = time.monotonic()
+        self._said_waiting = 0.0
+        self._spare = False
+        self._membership: Watcher | None = None
+        self._round_watcher: Watcher | None = None
+        self._others: list[Watcher] = []
+        self._clients: list[Store | None] = [None, None]
+        self._entered_ms: dict[int, float] = {}
+        self._failures: list[WorkerFailure] = []
+        self._paused_since: float | None = None
+        self._alive_marked = -1
+        self._port = 0
+        """The port this node reserved in the current round for a new group's store."""
+        self._incarnation = 0
+        """Tags the exits of each worker group started (a stopped group's are dropped)."""
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> int:
+        self._do(Act("join"))
+        while self.exit_code is None:
+            try:
+                event = self.events.get(timeout=self._wait())
+            except queue.Empty:
+                event = Tick()
+            event = self._translate(event)
+            if event is None:
+                continue
+            self.node, acts = step(self.node, event, time.monotonic(), self.rules)
+            for action in acts:
+                self._do(action)
+        return self.exit_code
+
+    def close(self) -> None:
+        self._unwatch()
+        for watcher in self._others:
+            watcher.stop()
+        if self.group is not None:
+            self._stop_workers(signal.SIGTERM, self.config.stop_timeout)
+        self.link.close()
+        for client in self._clients:
+            if client is not None:
+                client.close()
+
+    def _wait(self) -> float:
+        node, now = self.node, time.monotonic()
+        deadlines = [node.deadline, now + PROGRESS_INTERVAL]
+        if node.leave is not None:
+            deadlines.append(node.leave.deadline)
+        if node.phase is Phase.FORMING:
+            deadlines.append(now + 1.0)  # spare and progress lines
+        return max(0.0, min(deadlines) - now)
+
+    def _translate(self, event: Any) -> Any:
+        """The protocol's event for what happened (None: nothing for the protocol)."""
+        if isinstance(event, RoundResult):
+            return self._formed(event.future) if event.future is self._future else None
+        if isinstance(event, WorkerExited):
+            if self.group is None or event.generation != self.group.generation:
+                return None  # a worker of a group stopped since
+            return self._exited(event)
+        if isinstance(event, FromWorker) and isinstance(event.message, Entered):
+            self._entered_ms[event.local_rank] = event.message.ms
+        if isinstance(event, Tick) and self.node.phase is Phase.FORMING:
+            self._say_waiting()
+        return event
+
+    def _formed(self, future: "Future[RendezvousInfo]") -> Any:
+        try:
+            info = future.result(timeout=0)
+        except RendezvousGracefulExitError as exc:
+            return FormFailed("graceful", str(exc))
+        except RendezvousClosedError as exc:
+            spare = self._spare and not self._failures
+            return FormFailed("spare" if spare else "closed", str(exc))
+        except RendezvousTimeoutError as exc:
+            return FormFailed("timeout", f"{type(exc).__name__}: {exc}")
+        except RendezvousError as exc:
+            return FormFailed("error", f"{type(exc).__name__}: {exc}")
+        self.info = info
+        if self.node.gen == 0:
+            self.rules = replace(self.rules, hosts_store=hosts_store(info.store))
+        self._port = reserve_workers_port(self.agent.host)
+        self.agent.say(f"round formed in {time.monotonic() - self._joining_since:.2f} s: this "
+                       f"node is group rank {info.rank} of {info.world_size}")
+        return Formed(self.node.gen + 1, info.rank, info.world_size)
+
+    def _exited(self, event: WorkerExited) -> Exited:
+        assert self.group is not None
+        error = ""
+        if event.returncode != 0:
+            failure = self.agent.failure(self.group, event.local_rank, event.returncode)
+            self._failures.append(failure)
+            self._paused_since = self._paused_since or failure.time
+            if len(self._failures) <= MAX_FAILURES:
+                record(self.handler, "worker_failed", **failure_fields(failure))
+            if failure.error is not None and failure.error.message:
+                error = failure.error.message.strip().splitlines()[0][:200]
+        return Exited(event.local_rank, event.returncode, error)
+
+    def _say_waiting(self) -> None:
+        now = time.monotonic()
+        try:
+            spare = self.handler.is_spare()
+        except RendezvousError:
+            spare = self._spare
+        if spare != self._spare:
+            self._spare = spare
+            if spare:
+                self.agent.say(f"waiting as a spare: the job runs at its maximum of "
+                               f"{self.config.max_nodes} node(s); this node takes the place of "
+                               "one that leaves or is lost")
+        if spare or now - self._said_waiting < PROGRESS_INTERVAL:
+            return
+        self._said_waiting = now
+        waited = now - self._joining_since
+        if self.node.live:
+            self.agent.say(f"the survivors wait for enough nodes to re-form ({waited:.0f} s); "
+                           "training resumes in-process then")
+        else:
+            self.agent.say(f"still waiting for nodes: {self.config.min_nodes}.."
+                           f"{self.config.max_nodes} ({waited:.0f} s)")
+
+    # -- actions ------------------------------------------------------------------------------
+    def _do(self, action: Act) -> None:
+        handler: Callable[..., None] = getattr(self, f"_act_{action.what}")
+        try:
+            handler(*action.args)
+        except RendezvousError as exc:  # the store failed under an action: the deadlines go on
+            logger.warning("%s failed: %s: %s", action.what, type(exc).__name__, exc)
+            self.agent.say(f"cannot {action.what.replace('_', ' ')} ({type(exc).__name__}: "
+                           f"{exc})")
+
+    def _act_say(self, text: str) -> None:
+        self.agent.say(text)
+
+    def _act_event(self, kind: str, fields: dict[str, Any]) -> None:
+        record(self.handler, kind, **fields)
+
+    def _act_join(self) -> None:
+        self._unwatch()
+        if self.node.gen == 0:
+            config = self.config
+            self.agent.say(f"waiting for nodes: {config.min_nodes}..{config.max_nodes} for run "
+                           f"{config.run_id!r} ({config.rdzv_backend} {config.rdzv_endpoint})")
+        self._joining_since = self._said_waiting = time.monotonic()
+        future = self.handler.next_rendezvous_async()
+        self._future = future
+        future.add_done_callback(lambda f: self.events.put(RoundResult(f)))
+
+    def _act_watch(self, gen: int) -> None:
+        assert self.info is not None
+        info, post = self.info, self.events.put
+        if self.node.phase is Phase.RUNNING:  # the round's control keys are no news now, and
+            self._unwatch()  # a change seen while entering is news again (edge-triggered)
+        if self._membership is None:
+            ttl = session_ttl(self.config.rdzv_conf)
+            self._membership = Watcher(f"rdzv-membership-{gen}", watch_membership(
+                self.handler, info.store, gen, post, lambda: mark_alive(info),
+                heartbeat_every(ttl), self.config.monitor_interval))
+        if self._round_watcher is None and self.node.phase is not Phase.RUNNING:
+            self._round_watcher = Watcher(f"rdzv-round-{gen}", watch_round(
+                self._round_store(gen), gen, post, self.node.coordinator, self.node.nodes,
+                self.rules.switch_timeout))
+
+    def _round_store(self, gen: int) -> Store:
+        """The round's store through a client of the round watchers' own (two, alternating, so
+        a stopped watcher's last slice never holds up the next round's)."""
+        open_client = getattr(self.handler, "open_client", None)
+        client = None
+        if open_client is not None:
+            if self._clients[gen % 2] is None:
+                self._clients[gen % 2] = open_client()
+            client = self._clients[gen % 2]
+        if client is None:
+            assert self.info is not None
+            return self.info.store
+        return self.handler.round_store(client)  # type: ignore[attr-defined, no-any-return]
+
+    def _unwatch(self) -> None:
+        for watcher in (self._membership, self._round_watcher):
+            if watcher is not None:
+                watcher.stop()
+        self._membership = self._round_watcher = None
+
+    def _act_record(self) -> None:
+        info, node = self.info, self.node
+        assert info is not None
+        store = info.store
+        if self._alive_marked != node.gen:
+            self._alive_marked = node.gen
+            mark_alive(info)
+        with store.batch():
+            store.set(record_key(node.group_rank), dumps_record(self._record()))
+            if node.record_final:
+                store.set(ready_key(node.group_rank), b"1")
+
+    def _record(self) -> NodeRecord:
+        node, config = self.node, self.config
+        wall, now = time.time(), time.monotonic()
+        running = [s for s in node.slots if s.state is Worker.RUNNING and s.sampled]
+        sampled = max((s.sampled for s in running), default=now)
+        lineage, offset, size = node.group or (None, None, None)
+        return NodeRecord(
+            slots=tuple(SlotReport(s.report(node.inprocess), s.step) for s in node.slots),
+            role=config.role, host=self.agent.host, port=self._port,
+            final=node.record_final,
+            inprocess=False if config.restart_on_change else node.inprocess,
+            restart=node.restart_why, lineage=lineage, offset=offset, group_size=size,
+            step_time=max((s.step_time for s in running if s.step_time), default=None),
+            sampled=wall - (now - sampled), node_id=getattr(self.handler, "node_id", None),
+            pid=os.getpid(), time=wall, join_s=round(now - self._joining_since, 6),
+            max_nodes=config.max_nodes)
+
+    def _act_hint(self, inprocess: bool) -> None:
+        assert self.info is not None
+        self.info.store.set(HINT_KEY, b"1" if inprocess else b"0")
+
+    def _act_decide(self, records: dict[int, NodeRecord | None], timed_out: bool) -> None:
+        assert self.info is not None
+        node, store = self.node, self.info.store
+        decision, assignments = decide(records, DecideContext(
+            uuid.uuid4().hex[:12], str(getattr(self.handler, "node_id", "")), time.time(),
+            node.nodes, timed_out, self.rules.switch_timeout))
+        if assignments:
+            ranks = sorted(assignments)
+            store.multi_set([assign_key(decision.id, g) for g in ranks],
+                            [dumps_assignment(assignments[g]) for g in ranks])
+        self._settle_decision(store.compare_set(DECISION_KEY, b"",
+                                                dumps_decision(decision).encode()))
+
+    def _act_cancel(self) -> None:
+        assert self.info is not None
+        cancel = Decision(Kind.CANCEL, uuid.uuid4().hex[:12],
+                          by=str(getattr(self.handler, "node_id", "")),
+                          why=f"cancelled by group rank {self.node.group_rank}")
+        self._settle_decision(self.info.store.compare_set(DECISION_KEY, b"",
+                                                          dumps_decision(cancel).encode()))
+
+    def _settle_decision(self, current: bytes) -> None:
+        """The decision key's value after a fenced write: whoever wrote first, the round's."""
+        self.events.put(Decided(self.node.gen, loads_decision(DECISION_KEY, current)))
+
+    def _act_abandon(self) -> None:
+        if self.info is not None:
+            self.info.store.set(abandon_key(self.node.group_rank), b"1")
+
+    def _act_fetch(self) -> None:
+        assert self.info is not None and self.node.decision is not None
+        key = assign_key(self.node.decision.id, self.node.group_rank)
+        raw = self.info.store.try_get(key)  # written before the decision that names it
+        if raw is None:
+            raise RendezvousStateError(f"the decision names an assignment {key!r} that is "
+                                       "not in the round's store")
+        self.events.put(Assigned(self.node.gen, loads_assignment(key, raw)))
+
+    def _act_plans(self) -> None:
+        node = self.node
+        decision, mine = node.decision, node.assignment
+        assert decision is not None and mine is not None
+        self._entered_ms.clear()
+        kind = PlanKind(decision.kind.value)
+        for index, lr in enumerate(mine.local_ranks):
+            self.link.send(lr, Plan(
+                round=node.gen, kind=kind, step=decision.step, source=decision.source,
+                rank=mine.rank_offset + index, world_size=mine.world_size,
+                group_rank=mine.group_rank, group_world_size=mine.group_world_size,
+                role_rank=mine.role_rank_offset + index, role_world_size=mine.role_world_size,
+                master_addr=mine.master_addr, master_port=mine.master_port,
+                prefix=decision.prefix))
+        if decision.kind is Kind.SWITCH:
+            self.agent.say(f"round {node.gen} decided: switching at step {decision.step}")
+        else:
+            source = ("nobody holds the state: the workers load their checkpoint"
+                      if decision.source is None else
+                      f"the workers go on from step {decision.step} (the state of global rank "
+                      f"{decision.source})")
+            self.agent.say(f"round {node.gen} decided: recovering in-process ({decision.why}); "
+                           f"{source}")
+
+    def _act_abort(self) -> None:
+        for lr in self.link.connected():
+            self.link.send(lr, Abort())
+
+    def _act_start(self, join: bool) -> None:
+        node = self.node
+        if self.group is not None:
+            self._stop_workers(signal.SIGTERM, self.config.stop_timeout)
+        self._incarnation += 1
+        self.group = self.agent.new_group(self._incarnation)
+        self.link.forget()
+        assignment = None if join else node.assignment
+        self.agent.start_workers(self.group, list(range(self.config.nproc_per_node)), assignment,
+                                 node.restarts)
+        if assignment is not None:
+            self.group_info = self.info
+            self.agent.say(f"round complete: {self.agent.describe(assignment)}")
+            record(self.handler, "workers_started", nproc=self.config.nproc_per_node,
+                   group_rank=assignment.group_rank, world_size=assignment.world_size,
+                   restarts=node.restarts)
+            if self._paused_since is not None:
+                record(self.handler, "training_paused", pause_s=round(
+                    time.time() - self._paused_since, 6), cause="worker_failed")
+                self._paused_since = None
+
+    def _act_replace(self, local_rank: int) -> None:
+        assert self.group is not None
+        self.agent.start_workers(self.group, [local_rank], None, self.node.restarts)
+
+    def _act_stop(self, signum: int) -> None:
+        if self.group is not None:
+            self._stop_workers(signum, self.config.stop_timeout)
+            self.group = None
+
+    def _stop_workers(self, signum: int, timeout: float) -> None:
+        """Stop every worker: API workers hear it on the channel first (a SIGTERM alone is
+        their node's notice to leave), then the signal, then SIGKILL after ``timeout``."""
+        assert self.group is not None
+        for lr in self.link.connected():
+            self.link.send(lr, Stop())
+        self.group.stop(signum, timeout)
+        self.link.forget()
+
+    def _act_announce(self) -> None:
+        info, node = self.info, self.node
+        assert info is not None and node.leave is not None
+        try:
+            info.store.set(f"{LEAVING_DIR}{node.group_rank}", json.dumps(
+                {"time": time.time(), "host": self.agent.host}))
+            announced = self.handler.announce_leaving()
+        except RendezvousError as exc:
+            self.events.put(LeaveFailed(f"cannot announce that this node leaves ({exc})"))
+            return
+        if not announced:
+            self.events.put(LeaveFailed("the rendezvous backend cannot announce a leave"))
+            return
+        self._unwatch()  # this node's own announcement is no news
+        self._others.append(Watcher("rdzv-leave", watch_next(
+            info.store, self.events.put, max(0.0, node.leave.deadline - time.monotonic()))))
+
+    def _act_leave_plans(self, step_: int) -> None:
+        for lr in self.link.connected():
+            self.link.send(lr, Plan(round=self.node.gen, kind=PlanKind.LEAVE, step=step_))
+
+    def _act_next(self) -> None:
+        """Tell the nodes of the workers' previous round (a leaving one) how its members moved
+        on: the next round's kind and switch step."""
+        old, decision = self.group_info, self.node.decision
+        if old is not None and old is not self.info and decision is not None:
+            old.store.set(NEXT_KEY, dumps_decision(decision))
+
+    def _act_adopt(self, newcomer: bool, pause: float | None) -> None:
+        node = self.node
+        decision, mine = node.decision, node.assignment
+        assert decision is not None and mine is not None and self.group is not None
+        self.group.renumber({lr: mine.rank_offset + i for i, lr in enumerate(mine.local_ranks)})
+        self.group_info = self.info
+        ms = max((self._entered_ms.get(lr, 0.0) for lr in mine.local_ranks), default=0.0)
+        at = max((node.slots[lr].step or 0 for lr in mine.local_ranks), default=0)
+        recovered = decision.kind is Kind.RECOVER
+        if newcomer:
+            self.agent.say(f"the workers joined the running group in {ms:.0f} ms at its step "
+                           f"{at}: {self.agent.describe(mine)}")
+        else:
+            what = "recovered in-process" if recovered else "switched"
+            self.agent.say(f"{what} in {ms:.0f} ms at step {at}: {self.agent.describe(mine)}")
+        record(self.handler, "recovered_in_process" if recovered else "switched_in_process",
+               step=at, newcomer=newcomer or None, pause_s=round(ms / 1000, 6))
+        if pause is not None:
+            record(self.handler, "training_paused", pause_s=round(pause, 6),
+                   cause="member_lost")
+
+    def _act_losses(self) -> None:
+        if self.group_info is not None:
+            report_losses(self.handler, self.group_info, session_ttl(self.config.rdzv_conf))
+
+    def _act_done(self) -> None:
+        assert self.info is not None
+        info = self.info
+        try:
+            mark_done(info)
+        except RendezvousError as exc:
+            logger.warning("cannot mark this node as finished: %s", exc)
+        self._others.append(Watcher("rdzv-finish", watch_finish(
+            lambda: all_done(info), self.node.gen, self.events.put,
+            self.config.monitor_interval)))
+
+    def _act_succeed(self) -> None:
+        if self.group is not None:
+            self._stop_workers(signal.SIGTERM, self.config.stop_timeout)
+            self.group = None
+        self._close("workers_succeeded")
+        if self.info is not None:
+            try:
+                wait_until_others_left(self.info, LEAVE_TIMEOUT)
+            except RendezvousError as exc:
+                logger.warning("cannot wait for the other nodes to leave: %s", exc)
+        self.agent.say("every node has finished; this node's workers succeeded")
+
+    def _act_fail(self, why: str) -> None:
+        print(failure_summary(self._failures, why), file=sys.stderr, flush=True)
+        if self.info is not None:
+            try:
+                mark_done(self.info)
+            except RendezvousError as exc:
+                logger.warning("cannot mark this node as finished: %s", exc)
+        self._close("workers_failed")
+
+    def _act_closed(self, message: str) -> None:
+        self.agent.say(f"the rendezvous is closed, the run has ended on the other nodes "
+                       f"({message})")
+
+    def _act_spare_done(self) -> None:
+        self.agent.say("the job finished without needing this spare node")
+
+    def _act_exit(self, code: int) -> None:
+        self.exit_code = code
+
+    def _close(self, reason: str) -> None:
+        try:
+            self.handler.set_closed()
+        except RendezvousError as exc:
+            self.agent.say(f"could not close the rendezvous: {exc}")
+            return
+        if getattr(self.handler, "closed_here", True):  # one node says so: the one that closed it
+            record(self.handler, "run_closed", reason=reason)

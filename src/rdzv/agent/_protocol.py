@@ -1,0 +1,305 @@
+"""One node's protocol as a pure state machine: :func:`step` maps the node's state and one event
+to its next state and the actions its executor (``_node.py``) carries out.
+
+Phases of a node::
+
+    FORMING ---formed---> SETTLING ---record final---> AWAITING ---decision---+
+       ^                                                                      |
+       |     cancel / a participant lost / a worker crashed before it         |
+       +----------------------------------------------------------------------+
+       |                                                                      v
+       |   abandon: a participant lost, a worker broke or crashed   ENTERING (switch, recover)
+       +--------------------------------------------------------------+       |
+       |                                                                      | every worker in
+       |   a change: a node waits / leaves / is lost, a worker broke or       v
+       +---crashed, a restarted worker is warm------------------------ RUNNING <--- stay, start,
+                                                                        |          restart
+                                          every worker succeeded -----> FINISHED
+
+* **FORMING**: the next round forms in the background (``next_rendezvous``); the workers keep
+  training (a planned change) or wait with their group broken (a loss).
+* **SETTLING**: the round formed. The node writes its record (what each worker slot holds) and
+  makes it final once its workers are settled: a newcomer first learns from group rank 0's hint
+  whether the job runs in-process, and then starts its workers at once so they are warm.
+* **AWAITING**: group rank 0 waits for every final record and writes the one decision
+  (``_decide.decide``, fenced); the others wait for it. A participant lost before the decision
+  makes a node write ``cancel`` instead (the same fenced write: the first one wins), and every
+  node joins the next round.
+* **ENTERING**: the workers got their plans (switch at a step, or recover now) and move to the
+  new group; once every one is in, the node runs in the round. A participant lost now (or a
+  worker that breaks or crashes while entering) makes the node abort its workers' group, mark
+  the round abandoned (the others see it at once) and join the next round, as a recovery.
+* **RUNNING**: any change starts the next transition: a node waiting to join, a member leaving
+  or lost (the workers' group is aborted first, so a collective waiting on a lost peer fails at
+  once), a worker whose group broke, a crashed worker (restarted alone, in the background, as a
+  warm newcomer; the others recover without it and it joins once warm), a worker that failed
+  outside the API (a restart of every worker: the only fallback, counted).
+
+A node asked to leave (SIGTERM or SIGINT, to the agent or its workers) while running announces
+it and stops its workers at the step the others switch at; asked during a transition, it leaves
+once the transition is over. Nothing here does I/O or reads a clock: ``now`` comes with each
+event, and the tables of ``tests/agent/test_protocol.py`` play every overlap.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ._records import Assignment, Decision, NodeRecord, SlotState
+
+Phase = enum.Enum("Phase", ["FORMING", "SETTLING", "AWAITING", "ENTERING", "RUNNING",
+                            "FINISHED", "EXITED"])
+
+
+class Worker(enum.Enum):
+    """A worker slot as its agent sees it."""
+
+    STARTING = "starting"
+    """Started, not connected yet (``join``: started to join a running group, without state)."""
+    RUNNING = "running"
+    BROKEN = "broken"
+    FRESH = "fresh"
+    """A connected joiner without state, waiting for its plan."""
+    ENTERED = "entered"
+    """In the group of the round being entered."""
+    DONE = "done"
+    """Exited 0."""
+    LEFT = "left"
+    GONE = "gone"
+    """Stopped or failed; nothing of it is left."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    state: Worker = Worker.STARTING
+    step: int | None = None
+    step_time: float | None = None
+    sampled: float = 0.0
+    join: bool = False
+    """Started to join a running group (it takes its rank from its plan)."""
+    replacement: bool = False
+    """Started alone after a crash: the others do not wait for it (absent until warm)."""
+
+    def report(self, inprocess: bool | None) -> SlotState:
+        """What the node's record says of this slot. ``inprocess``: whether the node's workers
+        use the in-process API; a started worker of a program without it never connects and
+        holds its state all the same."""
+        if self.state in (Worker.RUNNING, Worker.ENTERED):
+            return SlotState.RUNNING
+        if self.state is Worker.BROKEN:
+            return SlotState.BROKEN
+        if self.state is Worker.FRESH:
+            return SlotState.FRESH
+        if self.state is Worker.STARTING and not self.replacement:
+            return SlotState.RUNNING if inprocess is False and not self.join else \
+                SlotState.STARTING
+        return SlotState.ABSENT
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The node's configuration, as the decisions need it."""
+
+    nproc: int
+    max_restarts: int = 0
+    switch_timeout: float = 60.0
+    leave_grace: float = 30.0
+    restart_on_change: bool = False
+    min_nodes: int = 1
+    hosts_store: bool = False
+
+
+@dataclass(frozen=True)
+class Leave:
+    signum: int
+    deadline: float
+    announced: bool = False
+    step: int | None = None
+    """The step at which the workers stop (the others' switch step), once known."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """What a node knows: its phase, its round, its workers and what it wrote."""
+
+    phase: Phase = Phase.FORMING
+    gen: int = 0
+    """The node's count of rounds formed (tags the events of one round)."""
+    group_rank: int = -1
+    nodes: int = 0
+    slots: tuple[Slot, ...] = ()
+    decision: Decision | None = None
+    """The decision of round ``gen`` once read."""
+    assignment: Assignment | None = None
+    """This node's place in round ``gen``."""
+    group: tuple[str, int, int] | None = None
+    """The workers' current group: (prefix, this node's first global rank, world size)."""
+    inprocess: bool | None = None
+    """This node's workers use the in-process API (they connected to the agent)."""
+    hint: bool | None = None
+    """Group rank 0's word on whether the job runs in-process (for a newcomer)."""
+    hint_written: bool = False
+    record_final: bool = False
+    restart_why: str | None = None
+    """A worker failed outside the API (or never connected): every worker restarts."""
+    restarts: int = 0
+    started: float = 0.0
+    """When the workers were last started (those that never connect do not use the API)."""
+    deadline: float = math.inf
+    """When the current phase gives up waiting."""
+    entering_since: float = 0.0
+    leave: Leave | None = None
+    failures: tuple[str, ...] = field(default=())
+    """What failed since the last restart, for the summary."""
+
+    @property
+    def coordinator(self) -> bool:
+        return self.group_rank == 0
+
+    @property
+    def live(self) -> list[int]:
+        return [lr for lr, s in enumerate(self.slots) if s.state not in (
+            Worker.DONE, Worker.LEFT, Worker.GONE)]
+
+
+# -- events ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Formed:
+    """The next round formed: this node is ``group_rank`` of ``nodes``."""
+
+    gen: int
+    group_rank: int
+    nodes: int
+
+
+@dataclass(frozen=True)
+class FormFailed:
+    kind: str
+    """``closed``, ``graceful`` (asked to leave), ``timeout`` or ``error``."""
+    message: str
+
+
+@dataclass(frozen=True)
+class Hinted:
+    gen: int
+    inprocess: bool
+
+
+@dataclass(frozen=True)
+class RecordsIn:
+    """Group rank 0: every record is final (or ``timed_out``: the wait for them ended)."""
+
+    gen: int
+    records: dict[int, NodeRecord | None]
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class Decided:
+    gen: int
+    decision: Decision
+
+
+@dataclass(frozen=True)
+class Assigned:
+    gen: int
+    assignment: Assignment
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A participant of round ``gen`` left it after its decision."""
+
+    gen: int
+
+
+@dataclass(frozen=True)
+class Changed:
+    """The membership of round ``gen`` changed: members ``lost`` (gone without a word),
+    ``leaving`` (announced), nodes ``waiting`` to join, members that ``moved`` on already."""
+
+    gen: int
+    lost: int = 0
+    leaving: int = 0
+    waiting: int = 0
+    moved: int = 0
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class FromWorker:
+    local_rank: int
+    message: Any
+    """A worker's message (``_messages``), or Closed."""
+
+
+@dataclass(frozen=True)
+class Exited:
+    local_rank: int
+    code: int
+    """The exit code; negative: killed by that signal."""
+    error: str = ""
+    """The first line of the error the worker recorded, if any."""
+
+
+@dataclass(frozen=True)
+class Signalled:
+    signum: int
+
+
+@dataclass(frozen=True)
+class LeaveFailed:
+    """This node could not announce that it leaves (``why``)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class NextSeen:
+    """A leaving node: how the others moved on (None: they did not say within the grace)."""
+
+    decision: Decision | None
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class AllFinished:
+    gen: int
+
+
+Event = Union[Formed, FormFailed, Hinted, RecordsIn, Decided, Assigned, Abandoned, Changed,
+              FromWorker, Exited, Signalled, LeaveFailed, NextSeen, Tick, AllFinished]
+
+
+# -- actions ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Act:
+    """One thing for the executor to do: ``what`` names it, ``args`` are its arguments.
+
+    ``join`` (the next round, in the background), ``watch`` (round ``gen``: its membership and
+    decision), ``record`` (write this node's record), ``hint``, ``decide`` (records, timed out),
+    ``cancel``, ``abandon``, ``fetch`` (this node's assignment), ``plans`` (to the workers),
+    ``abort``, ``start`` (workers: join?), ``replace`` (local rank: a crashed worker, alone),
+    ``stop`` (signal), ``announce`` (this node leaves), ``leave_plans`` (step), ``next``
+    (tell the old round's leavers), ``adopt`` (the workers run in the round), ``done``
+    (mark finished), ``close`` (reason), ``exit`` (code), ``say`` (text), ``event`` (history).
+    """
+
+    what: str
+    args: tuple[Any, ...] = ()
+
+
+def act(what: str, *args: Any) -> Act:
+    return Act(what, args)
+
+
+Result = tuple[Node, list[Act]]
+
+

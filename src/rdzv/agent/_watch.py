@@ -1,0 +1,211 @@
+"""What a node watches in the background, each on a thread of its own, reported as events of
+``_protocol.py`` on the agent's queue: its round's membership, the round's control keys while a
+transition runs, and (leaving) how the others moved on.
+
+Each watcher blocks on the store through its own client, so no watcher holds up another or the
+agent's own calls: the membership through the rendezvous's second client
+(:meth:`RendezvousHandler.membership`), the control keys through a client of their own. Every
+wait is a bounded slice; a stopped watcher ends after its current slice and posts nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import RendezvousError
+from ..rendezvous import RendezvousHandler
+from ..store import Store
+from ._protocol import Abandoned, AllFinished, Changed, Decided, Hinted, NextSeen, RecordsIn
+from ._records import (
+    ABANDON_DIR,
+    CTL_DIR,
+    DECISION_KEY,
+    HINT_KEY,
+    NEXT_KEY,
+    READY_DIR,
+    RECORD_DIR,
+    NodeRecord,
+    loads_decision,
+    loads_record,
+)
+from ._round import LEAVING_DIR
+
+logger = logging.getLogger(__name__)
+
+WAIT_SLICE = 0.25
+"""Longest single blocking call of a watcher."""
+AGENT_DIR = "agent/"
+
+
+class Watcher:
+    """A daemon thread running ``body(stopped)`` until it returns or is stopped."""
+
+    def __init__(self, name: str, body: Callable[[threading.Event], None]) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(body,), daemon=True, name=name)
+        self._thread.start()
+
+    def _run(self, body: Callable[[threading.Event], None]) -> None:
+        try:
+            body(self._stopped)
+        except Exception:  # a bug: log it, the node's deadlines bound what it waited for
+            logger.exception("a watcher of the rendezvous failed")
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def watch_membership(handler: RendezvousHandler, store: Store, gen: int, post: Callable[[Any], None],
+                     heartbeat: Callable[[], None], every: float,
+                     wait_slice: float) -> Callable[[threading.Event], None]:
+    """A watcher body posting :class:`Changed` each time round ``gen``'s membership differs
+    from what it last posted (edge-triggered), and refreshing this node's sign of life every
+    ``every`` seconds. ``store`` is the round's store (for the count of leaving members)."""
+
+    def body(stopped: threading.Event) -> None:
+        since, last, beat = 0, None, time.monotonic()
+        while not stopped.is_set():
+            try:
+                if time.monotonic() - beat >= every:
+                    beat = time.monotonic()
+                    heartbeat()
+                seen = handler.membership(since, wait_slice)
+                if seen is None:  # a backend without counts: any change is news
+                    if handler.wait_for_membership_change(wait_slice):
+                        post(Changed(gen, lost=1))
+                        return
+                    continue
+                view, since = seen
+                if stopped.is_set():
+                    return
+                leaving = store.count_keys(LEAVING_DIR) if view.alive < view.world_size else 0
+                change = Changed(gen, lost=max(0, view.world_size - view.alive - leaving),
+                                 leaving=leaving, waiting=view.newcomers, moved=view.moved,
+                                 closed=view.closed or view.newer_round_sealed)
+                if not view.changed:
+                    last = None  # back to calm: the next change is news again
+                elif change != last:
+                    last = change
+                    post(change)
+            except (RendezvousError, OSError) as exc:
+                if stopped.is_set():
+                    return
+                logger.warning("cannot watch the rendezvous membership: %s (retrying in "
+                               "%.3g s)", exc, wait_slice)
+                stopped.wait(wait_slice)
+
+    return body
+
+
+def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator: bool,
+                nodes: int, timeout: float) -> Callable[[threading.Event], None]:
+    """A watcher body for a transition's round ``gen``: posts the hint, the decision and abandon
+    marks as they appear; the coordinator also gets every record once all are final, or what
+    there is after ``timeout`` seconds (:class:`RecordsIn`). Non-coordinators watch the control
+    keys only (O(1) wake-ups); the coordinator watches the records too."""
+
+    def body(stopped: threading.Event) -> None:
+        path = AGENT_DIR if coordinator else CTL_DIR
+        deadline = time.monotonic() + timeout
+        since, hinted, decided, records_sent, abandoned = 0, False, False, False, 0
+        while not stopped.is_set():
+            try:
+                reads = store.read_many([DECISION_KEY, HINT_KEY],
+                                        [READY_DIR, ABANDON_DIR] if coordinator else [ABANDON_DIR],
+                                        revisions=[path])
+            except RendezvousError as exc:
+                if stopped.is_set():
+                    return
+                logger.warning("cannot read the round's decision: %s", exc)
+                stopped.wait(WAIT_SLICE)
+                continue
+            if stopped.is_set():
+                return
+            raw_hint, raw = reads.values[HINT_KEY], reads.values[DECISION_KEY]
+            if raw_hint is not None and not hinted:
+                hinted = True
+                post(Hinted(gen, raw_hint == b"1"))
+            if raw is not None and not decided:
+                decided = True
+                try:
+                    post(Decided(gen, loads_decision(DECISION_KEY, raw)))
+                except RendezvousError as exc:
+                    logger.error("%s", exc)
+            if reads.counts[ABANDON_DIR] > abandoned:
+                abandoned = reads.counts[ABANDON_DIR]
+                post(Abandoned(gen))
+            timed_out = time.monotonic() >= deadline
+            if coordinator and not decided and not records_sent and (
+                    reads.counts[READY_DIR] >= nodes or timed_out):
+                records_sent = True
+                post(RecordsIn(gen, read_records(store, nodes), timed_out))
+            since = max(since, reads.revisions[path])
+            remaining = deadline - time.monotonic() if coordinator and not records_sent else \
+                WAIT_SLICE
+            try:
+                store.watch(path, since, max(0.0, min(WAIT_SLICE, remaining)))
+            except RendezvousError as exc:
+                logger.warning("cannot watch the round's decision: %s", exc)
+                stopped.wait(WAIT_SLICE)
+
+    return body
+
+
+def read_records(store: Store, nodes: int) -> dict[int, NodeRecord | None]:
+    """Every node's record (None: missing or malformed, said in the log)."""
+    found: dict[int, NodeRecord | None] = dict.fromkeys(range(nodes))
+    for key, raw in store.list_keys(RECORD_DIR).items():
+        try:
+            rank = int(key.rsplit("/", 1)[1])
+            if 0 <= rank < nodes:
+                found[rank] = loads_record(key, raw)
+        except (ValueError, RendezvousError) as exc:
+            logger.error("ignoring an agent record: %s", exc)
+    return found
+
+
+def watch_next(store: Store, post: Callable[[Any], None],
+               timeout: float) -> Callable[[threading.Event], None]:
+    """A leaving node: posts how the others moved on (:class:`NextSeen`, None after
+    ``timeout`` seconds), from the key the next round's coordinator writes in this round."""
+
+    def body(stopped: threading.Event) -> None:
+        deadline = time.monotonic() + timeout
+        while not stopped.is_set():
+            try:
+                since = store.revision(NEXT_KEY)
+                raw = store.try_get(NEXT_KEY)
+                if raw is not None:
+                    post(NextSeen(loads_decision(NEXT_KEY, raw)))
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    post(NextSeen(None))
+                    return
+                store.watch(NEXT_KEY, since, min(WAIT_SLICE, remaining))
+            except RendezvousError as exc:
+                logger.warning("cannot learn whether the others moved on: %s", exc)
+                if stopped.wait(WAIT_SLICE) or time.monotonic() >= deadline:
+                    post(NextSeen(None))
+                    return
+
+    return body
+
+
+def watch_finish(done: Callable[[], bool], gen: int, post: Callable[[Any], None],
+                 wait_slice: float) -> Callable[[threading.Event], None]:
+    """Posts :class:`AllFinished` once ``done()`` holds (every node of the round finished)."""
+
+    def body(stopped: threading.Event) -> None:
+        while not stopped.wait(wait_slice):
+            try:
+                if done():
+                    post(AllFinished(gen))
+                    return
+            except RendezvousError as exc:
+                logger.warning("cannot tell whether every node finished: %s", exc)
+
+    return body

@@ -1,0 +1,117 @@
+"""How the workers of a new group come to hold one state: each says what it holds (its step, and
+a digest of its state), and all follow the same rule (:func:`agree`).
+
+Every worker entering a group all-gathers one small tensor: its completed steps, whether it is
+fresh (a newcomer without state), and a digest of its state. The decision of its agents names
+the source (the survivor with the most steps); :func:`agree` keeps it when it holds the most
+advanced state, else takes the lowest rank that does (the agents' view of the steps can be a
+moment old), and every worker whose step or digest differs from the source's receives the
+source's state. After the transfer the receivers' digests are gathered again and must all equal
+the source's: no group trains on with parameters that differ, and a worker whose view disagreed
+(it thought itself ahead, it missed a step) is brought into agreement by receiving the state.
+
+The digest (:func:`state_digest`) sums the bit patterns of every tensor as integers, so equal
+states give equal digests whatever the order of the reduction (threads, devices), plus a sum
+over a strided sample (a permutation of values changes it) and a hash of everything else in
+the state (step, values, the tree's shapes and dtypes). Cost: one pass over the state, measured
+in ``bench/membership.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+MASK = (1 << 64) - 1
+STRIDE = 97
+"""The sample of every 97th element that makes the digest change when values move."""
+MIX = 0x9E3779B97F4A7C15
+"""An odd 64-bit constant: tensor i's sums are weighted by MIX**(i+1), so that values moving
+between tensors change the digest."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one worker holds as it enters a group."""
+
+    step: int
+    fresh: bool
+    digest: tuple[int, int, int]
+
+
+def agree(holdings: Sequence[Holding], decided: int | None) -> tuple[int | None, list[int]]:
+    """(source, receivers) for the workers of a group (index = global rank): the source holds
+    the most advanced state (``decided`` if it does, else the lowest such rank), every worker
+    whose state differs from it receives it. (None, []) when nobody holds a state: every worker
+    starts from its own (its checkpoint)."""
+    holders = [rank for rank, holding in enumerate(holdings) if not holding.fresh]
+    if not holders:
+        return None, []
+    top = max(holdings[rank].step for rank in holders)
+    best = [rank for rank in holders if holdings[rank].step == top]
+    source = decided if decided in best else min(best)
+    want = (holdings[source].step, holdings[source].digest)
+    receivers = [rank for rank, holding in enumerate(holdings) if rank != source and (
+        holding.fresh or (holding.step, holding.digest) != want)]
+    return source, receivers
+
+
+def divergent(holdings: Sequence[Holding], source: int) -> list[int]:
+    """The ranks that held another state than the source at the source's step (a divergence
+    that only a protocol error causes: they receive the source's state, but say so)."""
+    want = holdings[source]
+    return [rank for rank, holding in enumerate(holdings) if not holding.fresh and
+            holding.step == want.step and holding.digest != want.digest]
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as integers of the same width (its bit patterns)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.to(torch.uint8)
+    size = flat.element_size()
+    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
+    if kind is None or flat.is_complex():
+        return flat.view(torch.uint8)
+    return flat.view(kind)
+
+
+def state_digest(tree: Any, tensors: list[torch.Tensor]) -> tuple[int, int, int]:
+    """A digest of a state: ``tree`` is its JSON-able skeleton (tensors replaced by their
+    index), ``tensors`` its tensors (as :func:`._statesync.encode_tree` gives them)."""
+    skeleton = json.dumps([tree, [[str(t.dtype), list(t.shape)] for t in tensors]],
+                          separators=(",", ":"), sort_keys=True, default=str)
+    head = int.from_bytes(hashlib.blake2b(skeleton.encode(), digest_size=8).digest(), "little")
+    total = sample = 0
+    weight = 1
+    for tensor in tensors:
+        weight = (weight * MIX) & MASK
+        if tensor.numel() == 0:
+            continue
+        bits = _bits(tensor)
+        total = (total + weight * int(bits.sum(dtype=torch.int64).item())) & MASK
+        sample = (sample + weight * int(bits[::STRIDE].sum(dtype=torch.int64).item())) & MASK
+    return head, total, sample
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def gather_holdings(step: int, fresh: bool, digest: tuple[int, int, int],
+                    device: torch.device) -> list[Holding]:
+    """Every worker's holding in the current group (one all_gather of 5 int64 per worker)."""
+    mine = torch.tensor([step, int(fresh), *(_signed(d) for d in digest)], dtype=torch.int64,
+                        device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [Holding(int(t[0]), bool(t[1]), tuple(int(v) & MASK for v in t[2:].tolist()))
+            for t in (t.cpu() for t in everyone)]  # type: ignore[misc]
