@@ -107,6 +107,9 @@ class Broken:
     step: int
     fresh: bool = False
     """It holds no training state (a joiner whose first group failed)."""
+    round: int | None = None
+    """The round of the group that failed while the worker entered it (None: the group it
+    trained in failed)."""
     error: str = ""
     TYPE: ClassVar[str] = "broken"
 

@@ -10,43 +10,68 @@ from typing import Any
 
 import pytest
 
-from rdzv._channel import ChannelClient, ChannelError, ChannelServer, decode
+from rdzv._channel import ChannelClient, ChannelError, ChannelServer
+from rdzv._messages import (
+    TO_AGENT,
+    TO_WORKER,
+    Broken,
+    Closed,
+    Hello,
+    Plan,
+    PlanKind,
+    Progress,
+    Query,
+    decode,
+    encode,
+)
 
 
 def test_a_worker_says_hello_and_messages_go_both_ways() -> None:
-    seen: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
     server = ChannelServer(lambda rank, message: seen.put((rank, message)))
-    got: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    got: queue.SimpleQueue[Any] = queue.SimpleQueue()
     try:
         assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600  # this user's only
-        client = ChannelClient(server.path, 3, got.put)
-        rank, hello = seen.get(timeout=5)
-        assert (rank, hello["op"], hello["pid"]) == (3, "hello", os.getpid())
+        client = ChannelClient(server.path, 3, got.put, fresh=True)
+        assert seen.get(timeout=5) == (3, Hello(3, os.getpid(), True))
         assert server.connected() == frozenset({3})
-        assert server.send(3, {"op": "query"})
-        assert got.get(timeout=5) == {"op": "query"}
-        client.send({"op": "progress", "step": 7, "step_time": 0.06})
-        assert seen.get(timeout=5) == (3, {"op": "progress", "step": 7, "step_time": 0.06})
-        assert not server.send(5, {"op": "query"})  # no such worker
+        plan = Plan(7, PlanKind.SWITCH, step=50, source=0, rank=2, world_size=3,
+                    master_addr="127.0.0.1", master_port=29500, prefix="rdzv-x")
+        assert server.send(3, Query()) and server.send(3, plan)
+        assert [got.get(timeout=5), got.get(timeout=5)] == [Query(), plan]
+        client.send(Progress(7, 0.06))
+        assert seen.get(timeout=5) == (3, Progress(7, 0.06))
+        assert not server.send(5, Query())  # no such worker
         client.close()
-        assert seen.get(timeout=5) == (3, {"op": "closed"})
+        assert seen.get(timeout=5) == (3, Closed())
     finally:
         server.close()
     assert not os.path.exists(server.path)
 
 
-@pytest.mark.parametrize("line", [b"not json", b"[1, 2]", b'{"op": "reboot"}', b'{"no": "op"}'])
+def test_every_message_survives_its_encoding() -> None:
+    for message in (Broken(40, fresh=False, round=3, error="gloo: peer gone"),
+                    Plan(1, PlanKind.LEAVE, step=9), Hello(0, 1)):
+        types = TO_WORKER if isinstance(message, Plan) else TO_AGENT
+        assert decode(encode(message), types) == message
+
+
+@pytest.mark.parametrize("line", [
+    b"not json", b"[1, 2]", b'{"type": "reboot"}', b'{"no": "type"}',
+    b'{"type": "progress"}', b'{"type": "progress", "step": "7"}',
+    b'{"type": "broken", "step": true}', b'{"type": "entered", "round": 1, "ms": "x", "step": 1}',
+])
 def test_garbage_on_the_channel_is_refused_and_the_agent_goes_on(line: bytes) -> None:
-    seen: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
     server = ChannelServer(lambda rank, message: seen.put((rank, message)))
     try:
         with pytest.raises(ChannelError):
-            decode(line, frozenset({"hello"}))
+            decode(line, TO_AGENT)
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         raw.connect(server.path)
-        raw.sendall(b'{"op":"hello","local_rank":0,"pid":1}\n' + line + b"\n")
-        assert seen.get(timeout=5)[1]["op"] == "hello"
-        assert seen.get(timeout=5) == (0, {"op": "closed"})  # dropped, not crashed
+        raw.sendall(b'{"type":"hello","local_rank":0,"pid":1}\n' + line + b"\n")
+        assert isinstance(seen.get(timeout=5)[1], Hello)
+        assert seen.get(timeout=5) == (0, Closed())  # dropped, not crashed
         raw.close()
         good = ChannelClient(server.path, 1, lambda message: None)
         assert seen.get(timeout=5)[0] == 1  # the next worker is served

@@ -8,7 +8,6 @@ so that it can seal the round at the moment the agent is stopped. The store is a
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from typing import Any
@@ -18,8 +17,22 @@ import pytest
 from _agents import JOIN, wait_for
 from _launcher import PYTHON, Launcher, free_port
 
-from rdzv.agent._round import MODE_KEY, assign
-from rdzv.rendezvous import RendezvousParameters, get_rendezvous_handler
+from rdzv.agent._decide import DecideContext, decide
+from rdzv.agent._records import (
+    DECISION_KEY,
+    READY_DIR,
+    NodeRecord,
+    SlotReport,
+    SlotState,
+    assign_key,
+    dumps_assignment,
+    dumps_decision,
+    dumps_record,
+    ready_key,
+    record_key,
+)
+from rdzv.agent._watch import read_records
+from rdzv.rendezvous import RendezvousInfo, RendezvousParameters, get_rendezvous_handler
 from rdzv.rendezvous._layout import RunKeys
 from rdzv.store import TCPStore
 
@@ -66,9 +79,7 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
         assert node.process.poll() is None, node.output()
         info = me.next_rendezvous()  # round 1, with the agent back in it
         assert info.world_size == 2
-        assign(info, me, 1, "default", "127.0.0.1", 60.0, 0.0)
-        if info.rank == 0:  # as group rank 0's agent would: the workers start afresh
-            info.store.set(MODE_KEY, json.dumps({"mode": "restart", "prefix": "test"}))
+        play_a_node_without_workers(info)
         wait_for(lambda: "round complete: 2 node(s)" in node.output(), JOIN,
                  "the agent's workers in the new round")
         text = node.output()
@@ -81,3 +92,20 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
         observer.close()
     finally:
         servers.kill_all()
+
+
+def play_a_node_without_workers(info: RendezvousInfo) -> None:
+    """This test's part in a round, as an agent without workers plays it: its final record,
+    and (as group rank 0) the round's decision from both records."""
+    mine = NodeRecord(slots=(SlotReport(SlotState.ABSENT),), role="default", host="127.0.0.1",
+                      port=free_port(), final=True)
+    info.store.set(record_key(info.rank), dumps_record(mine))
+    info.store.set(ready_key(info.rank), b"1")
+    if info.rank != 0:
+        return
+    wait_for(lambda: info.store.count_keys(READY_DIR) == 2, JOIN, "the agent's record")
+    decision, assignments = decide(read_records(info.store, 2),
+                                   DecideContext("t1", "test", time.time(), 2))
+    info.store.multi_set([assign_key(decision.id, g) for g in assignments],
+                         [dumps_assignment(a) for a in assignments.values()])
+    info.store.compare_set(DECISION_KEY, b"", dumps_decision(decision).encode())

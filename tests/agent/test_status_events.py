@@ -195,8 +195,8 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
               left=[{"node": c_id, "reason": "graceful_leave"}])
     i = index("worker_failed", i, rank=1, exit_code=1,
               error="ValueError: rank 1 fails on purpose")
-    i = index("workers_restarted", i, restarts=1)
     i = index("round_formed", i, round=restarted.round, cause="restart")
+    i = index("workers_restarted", i, restarts=1)  # counted when the round restarts them
     i = index("training_paused", i, cause="worker_failed")
     i = index("round_formed", i, round=grown.round, newcomers=[d_id], cause="join")
     i = index("node_lost", i, lost=d_id)

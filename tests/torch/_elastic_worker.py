@@ -2,7 +2,10 @@
 
 Each step all_reduces a counter (so the ranks move in lock step, as DDP does) and sleeps a
 little. ``--stall-file F --stall-rank R``: once F exists, global rank R sleeps ``--stall-seconds``
-in its next step (a worker that does not reach the switch step in time).
+in its next step (a worker that does not reach the switch step in time). ``--perturb-file F
+--perturb-rank R``: once F exists, global rank R adds 1 to its weights, once (a worker whose
+state differs from the others', as a protocol error would leave it). After every change of
+group, rank 0 prints whether every rank holds the same weights.
 """
 
 from __future__ import annotations
@@ -25,15 +28,34 @@ def main() -> None:
     parser.add_argument("--stall-file", default=None)
     parser.add_argument("--stall-rank", type=int, default=1)
     parser.add_argument("--stall-seconds", type=float, default=20.0)
+    parser.add_argument("--perturb-file", default=None)
+    parser.add_argument("--perturb-rank", type=int, default=1)
     args = parser.parse_args()
     weight = torch.zeros(4)
     rdzv.torch.init_process_group("gloo")
     state = rdzv.torch.ElasticState(step=0, weight=weight)
-    stalled = False
+    stalled = perturbed = False
+
+    @state.on_change
+    def check(state: rdzv.torch.ElasticState) -> None:
+        highest, lowest = state.values["weight"].clone(), state.values["weight"].clone()
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+        if state.rank == 0:
+            same = "identical" if torch.equal(highest, lowest) else "DIFFERENT"
+            print(f"world size {state.world_size} at step {state.step}: weights {same}",
+                  flush=True)
+
+    check(state)  # as the callbacks run after a change, on every worker (newcomers too)
 
     def train() -> None:
-        nonlocal stalled
+        nonlocal stalled, perturbed
         for step in state.steps(args.steps):
+            if (args.perturb_file and not perturbed and state.rank == args.perturb_rank
+                    and os.path.exists(args.perturb_file)):
+                perturbed = True
+                state.values["weight"] += 1
+                print(f"rank {state.rank} perturbs its weights at step {step}", flush=True)
             total = torch.ones(1)
             dist.all_reduce(total)
             if state.rank == 0:

@@ -106,7 +106,7 @@ def test_a_join_and_a_graceful_leave_switch_in_process(launcher: Launcher,
     leaving = third.output()
     assert "SIGTERM received: leaving the job" in leaving
     assert f"its workers left at step {switch_steps[1]}; exiting" in leaving
-    assert "joining the running group at its step" in leaving
+    assert "the workers joined the running group in" in leaving
     # The newcomer got model, optimizer and step from a peer, not from the checkpoint.
     assert (f"starting at step {switch_steps[0]} with world size 3 (joined a running job)"
             in leaving)
@@ -130,8 +130,8 @@ def test_a_worker_that_misses_the_switch_makes_the_agents_restart(launcher: Laun
     codes = [first.wait(PHASE_TIMEOUT * 2), second.wait(PHASE_TIMEOUT), third.wait(PHASE_TIMEOUT)]
     outputs = first.output() + second.output() + third.output()
     assert codes == [0, 0, 0], outputs[-8000:]
-    assert "did not switch within 3 s (--switch-timeout)" in outputs, outputs[-8000:]
-    assert "restarting the workers in the new round" in outputs
+    assert "did not enter the new group within 3 s (--switch-timeout)" in outputs, outputs[-8000:]
+    assert "restarting the workers (restart 1 of 3)" in outputs
     assert "done: 300 steps" in first.output()
 
 
@@ -186,7 +186,7 @@ def test_a_killed_node_is_survived_in_process_and_replaced(launcher: Launcher,
     for node in (first, second):
         assert len(re.findall(r"started 1 worker\(s\)", node.output())) == 1, node.output()
     assert re.search(r"recovered in-process in \d+ ms at step \d+", text), text
-    assert "a member of the round was lost" in text or "process group failed" in text
+    assert "member(s) of the round lost" in text or "process group failed" in text
     entries = progress(log)
     assert entries[-1]["step"] == 450
     assert phases(entries)[-3:] == [3, 2, 3], phases(entries)
@@ -273,7 +273,11 @@ def test_a_crashed_worker_rejoins_from_a_peer_while_the_others_recover(launcher:
         assert len(re.findall(r"started 1 worker\(s\)", node.output())) == 1, node.output()
     assert re.search(r"recovered in-process in \d+ ms", first.output()), first.output()
     again = crashing.output()
-    assert "restarting the workers (restart 1 of 1)" in again, again
+    assert "restarting it alone (restart 1 of 1)" in again, again
     assert "joined a running job" in again, again  # the state came from a peer
     entries = progress(log)
-    assert entries[-1]["step"] == 250 and set(phases(entries)) == {3}
+    # The others recover without it at once (world size 2), and it joins once warm (3).
+    assert entries[-1]["step"] == 250 and phases(entries) == [3, 2, 3], phases(entries)
+    steps = [e["step"] for e in entries]
+    jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
+    assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps

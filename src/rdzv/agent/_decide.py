@@ -10,7 +10,9 @@ node's assignment. In order:
 3. No worker runs anywhere: ``start``.
 4. No worker holds the training state (every holder crashed): ``recover`` from nobody; the
    workers start from their checkpoint, in-process.
-5. A holder's group failed (``broken``), or holders come from different groups: ``recover``:
+5. A holder's group failed (``broken``), lost a member (one of its ranks is neither held by a
+   node of the round nor announced as leaving: a node died or hung while the round formed), or
+   holders come from different groups: ``recover``:
    every worker adopts the state of the holder with the most completed steps (the lowest global
    rank among equals), so a step that completed on some is kept and nobody goes on with
    parameters another lacks.
@@ -149,7 +151,7 @@ def decide(records: Mapping[int, NodeRecord | None], ctx: DecideContext
                             s.state is not SlotState.ABSENT for s in r.slots)), None)
     if restart is not None or not live:
         assignments, master = _assign(full, everyone=True)
-        kind = Kind.RESTART if live else Kind.START
+        kind = Kind.RESTART if live or restart is not None else Kind.START
         return Decision(kind, why=restart or "", prefix=f"rdzv-{ctx.decision_id}",
                         master_addr=master[0], master_port=master[1],
                         world_size=sum(len(r.slots) for r in full.values()), **base), assignments
@@ -165,12 +167,13 @@ def decide(records: Mapping[int, NodeRecord | None], ctx: DecideContext
                         **base), assignments
     lineages = {record.lineage for _, record in holders.values()}
     broken = any(s.state is SlotState.BROKEN for r in full.values() for s in r.slots)
-    if broken or len(lineages) > 1:
+    if broken or len(lineages) > 1 or _lost_members(full):
         top = max(step for step, _ in holders.values())
         source = min(rank for rank, (step, _) in holders.items() if step == top)
         behind = sum(1 for step, _ in holders.values() if step < top)
         why = ("a worker's group failed" if broken else
-               "the workers come from different groups")
+               "the workers come from different groups" if len(lineages) > 1 else
+               "a member of the workers' group was lost while the round formed")
         return Decision(Kind.RECOVER, why=why, step=top, source=source,
                         receivers=receivers + behind, **new_group, **base), assignments
     lineage = lineages.pop()
@@ -185,6 +188,18 @@ def decide(records: Mapping[int, NodeRecord | None], ctx: DecideContext
     step, step_time = _estimated_step(full, ctx.now)
     return Decision(Kind.SWITCH, step=switch_step(step, step_time, LEAD_SECONDS),
                     source=min(holders), receivers=receivers, **new_group, **base), assignments
+
+
+def _lost_members(records: Mapping[int, NodeRecord]) -> bool:
+    """Whether a group the holders come from has a rank that no node of the round holds and
+    no node saw announced as leaving."""
+    by_group: dict[str, tuple[int, set[int]]] = {}
+    for record in records.values():
+        if record.lineage is None or record.group_size is None or not record.held:
+            continue
+        size, seen = by_group.setdefault(record.lineage, (record.group_size, set()))
+        seen.update(record.held, record.leaving)
+    return any(set(range(size)) - seen for size, seen in by_group.values())
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -29,6 +29,7 @@ from ..errors import (
     RendezvousGracefulExitError,
     RendezvousStateError,
     RendezvousTimeoutError,
+    SessionExpiredError,
 )
 from ..rendezvous import RendezvousInfo
 from ..store import Store
@@ -47,6 +48,7 @@ from ._protocol import (
     Assigned,
     Decided,
     Exited,
+    Expired,
     FormFailed,
     Formed,
     FromWorker,
@@ -107,6 +109,16 @@ class RoundResult:
     future: "Future[RendezvousInfo]"
 
 
+@dataclass(frozen=True)
+class Said:
+    """Event: a worker's message, on the channel connection of ``epoch`` (a message of a
+    worker stopped since, on a connection forgotten since, is dropped)."""
+
+    epoch: int
+    local_rank: int
+    message: Any
+
+
 class NodeRun:
     """One node's run: the event loop and the actions of its protocol."""
 
@@ -117,7 +129,9 @@ class NodeRun:
         self.rules = Rules(config.nproc_per_node, config.max_restarts, config.switch_timeout,
                            config.leave_grace, config.restart_on_change, config.min_nodes)
         self.node = Node(slots=(Slot(state=Worker.GONE),) * config.nproc_per_node)
-        self.link = ChannelServer(lambda lr, message: self.events.put(FromWorker(lr, message)))
+        self._epoch = 0
+        self.link = ChannelServer(lambda lr, message: self.events.put(
+            Said(self._epoch, lr, message)))
         agent.channel_path = self.link.path
         self.info: RendezvousInfo | None = None
         """The round the node is in (formed last)."""
@@ -135,7 +149,8 @@ class NodeRun:
         self._clients: list[Store | None] = [None, None]
         self._entered_ms: dict[int, float] = {}
         self._failures: list[WorkerFailure] = []
-        self._paused_since: float | None = None
+        self._paused: tuple[float, str] | None = None
+        """Since when this node's training is paused (its workers stopped), and why."""
         self._alive_marked = -1
         self._port = 0
         """The port this node reserved in the current round for a new group's store."""
@@ -186,8 +201,12 @@ class NodeRun:
             if self.group is None or event.generation != self.group.generation:
                 return None  # a worker of a group stopped since
             return self._exited(event)
-        if isinstance(event, FromWorker) and isinstance(event.message, Entered):
-            self._entered_ms[event.local_rank] = event.message.ms
+        if isinstance(event, Said):
+            if event.epoch != self._epoch:
+                return None
+            if isinstance(event.message, Entered):
+                self._entered_ms[event.local_rank] = event.message.ms
+            return FromWorker(event.local_rank, event.message)
         if isinstance(event, Tick) and self.node.phase is Phase.FORMING:
             self._say_waiting()
         return event
@@ -218,7 +237,7 @@ class NodeRun:
         if event.returncode != 0:
             failure = self.agent.failure(self.group, event.local_rank, event.returncode)
             self._failures.append(failure)
-            self._paused_since = self._paused_since or failure.time
+            self._paused = self._paused or (failure.time, "worker_failed")
             if len(self._failures) <= MAX_FAILURES:
                 record(self.handler, "worker_failed", **failure_fields(failure))
             if failure.error is not None and failure.error.message:
@@ -253,6 +272,8 @@ class NodeRun:
         handler: Callable[..., None] = getattr(self, f"_act_{action.what}")
         try:
             handler(*action.args)
+        except SessionExpiredError as exc:
+            self.events.put(Expired(str(exc)))
         except RendezvousError as exc:  # the store failed under an action: the deadlines go on
             logger.warning("%s failed: %s: %s", action.what, type(exc).__name__, exc)
             self.agent.say(f"cannot {action.what.replace('_', ' ')} ({type(exc).__name__}: "
@@ -323,21 +344,34 @@ class NodeRun:
                 store.set(ready_key(node.group_rank), b"1")
 
     def _record(self) -> NodeRecord:
-        node, config = self.node, self.config
+        node, config, group = self.node, self.config, self.node.group
         wall, now = time.time(), time.monotonic()
         running = [s for s in node.slots if s.state is Worker.RUNNING and s.sampled]
         sampled = max((s.sampled for s in running), default=now)
-        lineage, offset, size = node.group or (None, None, None)
         return NodeRecord(
             slots=tuple(SlotReport(s.report(node.inprocess), s.step) for s in node.slots),
             role=config.role, host=self.agent.host, port=self._port,
             final=node.record_final,
             inprocess=False if config.restart_on_change else node.inprocess,
-            restart=node.restart_why, lineage=lineage, offset=offset, group_size=size,
+            restart=node.restart_why, lineage=group and group.prefix,
+            offset=group and group.offset, group_size=group and group.size,
+            held=group.held(node.slots) if group else (), leaving=self._leaving_ranks(),
             step_time=max((s.step_time for s in running if s.step_time), default=None),
             sampled=wall - (now - sampled), node_id=getattr(self.handler, "node_id", None),
             pid=os.getpid(), time=wall, join_s=round(now - self._joining_since, 6),
             max_nodes=config.max_nodes)
+
+    def _leaving_ranks(self) -> tuple[int, ...]:
+        """The global ranks, in the workers' group, of the nodes that announced their leave."""
+        if self.group_info is None:
+            return ()
+        ranks: set[int] = set()
+        for raw in self.group_info.store.list_keys(LEAVING_DIR).values():
+            try:
+                ranks.update(int(r) for r in json.loads(raw).get("ranks", []))
+            except (ValueError, TypeError, AttributeError):
+                logger.warning("ignoring a malformed leave entry: %r", raw[:80])
+        return tuple(sorted(ranks))
 
     def _act_hint(self, inprocess: bool) -> None:
         assert self.info is not None
@@ -400,8 +434,7 @@ class NodeRun:
         else:
             source = ("nobody holds the state: the workers load their checkpoint"
                       if decision.source is None else
-                      f"the workers go on from step {decision.step} (the state of global rank "
-                      f"{decision.source})")
+                      "every worker adopts the most advanced state")
             self.agent.say(f"round {node.gen} decided: recovering in-process ({decision.why}); "
                            f"{source}")
 
@@ -415,20 +448,24 @@ class NodeRun:
             self._stop_workers(signal.SIGTERM, self.config.stop_timeout)
         self._incarnation += 1
         self.group = self.agent.new_group(self._incarnation)
-        self.link.forget()
+        self._forget_workers()
         assignment = None if join else node.assignment
         self.agent.start_workers(self.group, list(range(self.config.nproc_per_node)), assignment,
                                  node.restarts)
-        if assignment is not None:
+        if assignment is None:
+            record(self.handler, "workers_started", nproc=self.config.nproc_per_node,
+                   group_rank=node.group_rank, restarts=node.restarts, joining=True)
+        else:
             self.group_info = self.info
             self.agent.say(f"round complete: {self.agent.describe(assignment)}")
             record(self.handler, "workers_started", nproc=self.config.nproc_per_node,
                    group_rank=assignment.group_rank, world_size=assignment.world_size,
                    restarts=node.restarts)
-            if self._paused_since is not None:
-                record(self.handler, "training_paused", pause_s=round(
-                    time.time() - self._paused_since, 6), cause="worker_failed")
-                self._paused_since = None
+            if self._paused is not None:
+                since, cause = self._paused
+                record(self.handler, "training_paused", pause_s=round(time.time() - since, 6),
+                       cause=cause)
+                self._paused = None
 
     def _act_replace(self, local_rank: int) -> None:
         assert self.group is not None
@@ -436,6 +473,7 @@ class NodeRun:
 
     def _act_stop(self, signum: int) -> None:
         if self.group is not None:
+            self._paused = self._paused or (time.time(), "membership_change")
             self._stop_workers(signum, self.config.stop_timeout)
             self.group = None
 
@@ -445,15 +483,21 @@ class NodeRun:
         assert self.group is not None
         for lr in self.link.connected():
             self.link.send(lr, Stop())
+        self._forget_workers()  # what they say from now on is no news
         self.group.stop(signum, timeout)
+
+    def _forget_workers(self) -> None:
+        self._epoch += 1
         self.link.forget()
 
     def _act_announce(self) -> None:
         info, node = self.info, self.node
         assert info is not None and node.leave is not None
         try:
+            group = node.group
             info.store.set(f"{LEAVING_DIR}{node.group_rank}", json.dumps(
-                {"time": time.time(), "host": self.agent.host}))
+                {"time": time.time(), "host": self.agent.host,
+                 "ranks": list(group.held(node.slots)) if group else []}))
             announced = self.handler.announce_leaving()
         except RendezvousError as exc:
             self.events.put(LeaveFailed(f"cannot announce that this node leaves ({exc})"))

@@ -79,9 +79,8 @@ class Slot:
     step_time: float | None = None
     sampled: float = 0.0
     join: bool = False
-    """Started to join a running group (it takes its rank from its plan)."""
-    replacement: bool = False
-    """Started alone after a crash: the others do not wait for it (absent until warm)."""
+    """Started to join a running group (it takes its rank from its plan): nobody waits for it;
+    it is absent from the rounds until it is warm (connected), then its node brings it in."""
 
     def report(self, inprocess: bool | None) -> SlotState:
         """What the node's record says of this slot. ``inprocess``: whether the node's workers
@@ -93,10 +92,25 @@ class Slot:
             return SlotState.BROKEN
         if self.state is Worker.FRESH:
             return SlotState.FRESH
-        if self.state is Worker.STARTING and not self.replacement:
-            return SlotState.RUNNING if inprocess is False and not self.join else \
-                SlotState.STARTING
+        if self.state is Worker.STARTING and not self.join:
+            return SlotState.RUNNING if inprocess is False else SlotState.STARTING
         return SlotState.ABSENT
+
+
+@dataclass(frozen=True)
+class Group:
+    """The group the node's workers are in: its store prefix, this node's first global rank in
+    it, its world size, and which of this node's workers are in it (in global rank order)."""
+
+    prefix: str
+    offset: int
+    size: int
+    local_ranks: tuple[int, ...]
+
+    def held(self, slots: tuple[Slot, ...]) -> tuple[int, ...]:
+        """The global ranks of this node's workers that hold the group's state."""
+        return tuple(self.offset + i for i, lr in enumerate(self.local_ranks)
+                     if lr < len(slots) and slots[lr].report(True).holds_state)
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,9 @@ class Leave:
     signum: int
     deadline: float
     announced: bool = False
+    by_worker: bool = False
+    """The notice came from a worker (its SIGTERM): the agent's own SIGTERM, which Slurm sends
+    together, is the same notice, not a second one."""
     step: int | None = None
     """The step at which the workers stop (the others' switch step), once known."""
 
@@ -135,8 +152,8 @@ class Node:
     """The decision of round ``gen`` once read."""
     assignment: Assignment | None = None
     """This node's place in round ``gen``."""
-    group: tuple[str, int, int] | None = None
-    """The workers' current group: (prefix, this node's first global rank, world size)."""
+    group: Group | None = None
+    """The workers' current group."""
     inprocess: bool | None = None
     """This node's workers use the in-process API (they connected to the agent)."""
     hint: bool | None = None
@@ -151,6 +168,8 @@ class Node:
     deadline: float = math.inf
     """When the current phase gives up waiting."""
     entering_since: float = 0.0
+    joining: bool = False
+    """Every worker of this node entering the group is fresh (it joins the running group)."""
     leave: Leave | None = None
     failures: tuple[str, ...] = field(default=())
     """What failed since the last restart, for the summary."""
@@ -251,6 +270,14 @@ class Signalled:
 
 
 @dataclass(frozen=True)
+class Expired:
+    """This node's store session expired (it was paused past its ttl): the others took it for
+    gone."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class LeaveFailed:
     """This node could not announce that it leaves (``why``)."""
 
@@ -275,7 +302,7 @@ class AllFinished:
 
 
 Event = Union[Formed, FormFailed, Hinted, RecordsIn, Decided, Assigned, Abandoned, Changed,
-              FromWorker, Exited, Signalled, LeaveFailed, NextSeen, Tick, AllFinished]
+              FromWorker, Exited, Signalled, Expired, LeaveFailed, NextSeen, Tick, AllFinished]
 
 
 # -- actions ---------------------------------------------------------------------------------

@@ -90,6 +90,11 @@ class NodeRecord:
     """Its first global rank in that group."""
     group_size: int | None = None
     """That group's world size."""
+    held: tuple[int, ...] = ()
+    """The global ranks (in that group) of this node's workers that hold its state."""
+    leaving: tuple[int, ...] = ()
+    """The global ranks (in that group) of nodes that announced their leave, as this node saw
+    them: with ``held``, every rank of a group is accounted for, or the group lost a member."""
     step_time: float | None = None
     sampled: float = 0.0
     """The wall time at which the steps were sampled."""
@@ -197,7 +202,8 @@ def _is_number(value: Any, optional: bool = False) -> bool:
 
 
 def dumps_record(record: NodeRecord) -> str:
-    fields = {k: v for k, v in asdict(record).items() if k != "slots"}
+    fields = {k: list(v) if isinstance(v, tuple) else v
+              for k, v in asdict(record).items() if k != "slots"}
     return json.dumps({"v": VERSION, "t": "record", **fields, "nproc": len(record.slots),
                        "slots": [[s.state.value, s.step] for s in record.slots]},
                       separators=(",", ":"))
@@ -221,13 +227,17 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
         _check(key, isinstance(data.get(name), str), f"malformed {name}")
     for name in ("restart", "lineage", "node_id"):
         _check(key, data.get(name) is None or isinstance(data[name], str), f"malformed {name}")
+    for name in ("held", "leaving"):
+        _check(key, isinstance(data.get(name), list) and all(_is_int(r) for r in data[name]),
+               f"malformed {name}")
     _check(key, isinstance(data.get("final"), bool) and data.get("inprocess") in (None, True,
                                                                                     False),
            "malformed flags")
     return NodeRecord(slots=reports, role=data["role"], host=data["host"], port=data["port"],
                       final=data["final"], inprocess=data["inprocess"], restart=data["restart"],
                       lineage=data["lineage"], offset=data["offset"],
-                      group_size=data["group_size"], step_time=data["step_time"],
+                      group_size=data["group_size"], held=tuple(data["held"]),
+                      leaving=tuple(data["leaving"]), step_time=data["step_time"],
                       sampled=data["sampled"], node_id=data["node_id"], pid=data["pid"],
                       time=data["time"], join_s=data["join_s"], max_nodes=data["max_nodes"])
 

@@ -17,9 +17,11 @@ from ._protocol import (
     Changed,
     Decided,
     Exited,
+    Expired,
     FormFailed,
     Formed,
     FromWorker,
+    Group,
     Hinted,
     Leave,
     LeaveFailed,
@@ -38,7 +40,7 @@ from ._records import Kind, SlotState
 
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
-CONNECT_GRACE = 20.0
+CONNECT_GRACE = 10.0
 """Seconds after their start within which workers that use the in-process API connect to their
 agent (Python and torch start-up); workers silent longer do not use it."""
 TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
@@ -81,11 +83,18 @@ def _join(node: Node, *before: Act) -> Result:
                     record_final=False, deadline=math.inf), [*before, act("join")])
 
 
+def _aborted(node: Node) -> Node:
+    """The workers' group is being aborted: those in it report broken (at their last step)."""
+    return replace(node, slots=tuple(
+        replace(s, state=Worker.BROKEN) if s.state in (Worker.RUNNING, Worker.ENTERED) else s
+        for s in node.slots))
+
+
 def _abandon(node: Node, why: str) -> Result:
     """Leave a decided round whose group cannot form: abort the workers' group, mark the round
     abandoned (the others see it at once) and join the next round, as a recovery."""
-    return _join(node, _say(f"{why}: aborting the workers' group and forming the next round"),
-                 act("abort"), act("abandon"))
+    return _join(_aborted(node), _say(f"{why}: aborting the workers' group and forming the "
+                                      "next round"), act("abort"), act("abandon"))
 
 
 def _cancel(node: Node, why: str) -> Result:
@@ -130,8 +139,9 @@ def _after_failure(node: Node, why: str, now: float, rules: Rules) -> Result:
 # -- the round ------------------------------------------------------------------------------
 def _on_formed(node: Node, event: Formed, now: float, rules: Rules) -> Result:
     deadline = now + rules.switch_timeout
-    if node.inprocess is None and not settled(node):  # they connect within the grace, or never
-        deadline = min(deadline, node.started + CONNECT_GRACE)
+    if not settled(node):  # workers starting: they connect within the grace, or never
+        deadline = (node.started + CONNECT_GRACE if node.inprocess is None else
+                    now + max(rules.switch_timeout, CONNECT_GRACE))
     node = replace(node, phase=Phase.SETTLING, gen=event.gen, group_rank=event.group_rank,
                    nodes=event.nodes, decision=None, assignment=None, hint=None,
                    hint_written=False, record_final=False, deadline=deadline)
@@ -157,12 +167,14 @@ def _settle(node: Node, acts: list[Act]) -> Result:
 def _on_hinted(node: Node, event: Hinted, now: float, rules: Rules) -> Result:
     if node.phase is not Phase.SETTLING or node.live or node.record_final:
         return node, []
+    if node.inprocess is None:  # the job's program is this node's: whether it uses the API
+        node = replace(node, inprocess=event.inprocess)
     if event.inprocess and not rules.restart_on_change:
-        slots = tuple(replace(s, state=Worker.STARTING, step=None, join=True, replacement=False)
+        slots = tuple(replace(s, state=Worker.STARTING, step=None, join=True)
                       for s in node.slots)
-        return replace(node, slots=slots, inprocess=True, started=now), [
-            _say("the job runs in-process: starting the workers now, to join it warm"),
-            act("start", True)]
+        moved, acts = _settle(replace(node, slots=slots, inprocess=True, started=now), [])
+        return moved, [_say("the job runs in-process: starting the workers now; they join it "
+                            "once warm"), act("start", True), *acts]
     return _settle(node, [])
 
 
@@ -193,13 +205,14 @@ def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Resul
         return _restart(node, acts, now, rules)
     if decision.kind is Kind.STAY:
         return _running(node, acts, now, rules)
-    if not mine.local_ranks:
-        return _running(node, acts, now, rules)  # none of this node's workers is in the group
+    if not mine.local_ranks:  # none of this node's workers is in the group
+        return _running(replace(node, group=None), acts, now, rules)
     if decision.kind is Kind.RECOVER:
         acts.append(act("abort"))
     acts.append(act("plans"))
+    joining = all(node.slots[lr].state is Worker.FRESH for lr in mine.local_ranks)
     return replace(node, phase=Phase.ENTERING, deadline=now + rules.switch_timeout,
-                   entering_since=now), acts
+                   entering_since=now, joining=joining), acts
 
 
 def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
@@ -219,10 +232,11 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
                                                         node.restart_why})]
         else:
             acts.append(_say(f"restarting the workers in the new round: {decision.why}"))
-    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False, replacement=False)
+    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False)
                   for s in node.slots)
     node = replace(node, phase=Phase.RUNNING, slots=slots, restarts=restarts, restart_why=None,
-                   group=(decision.prefix, node.assignment.rank_offset, decision.world_size),
+                   group=Group(decision.prefix, node.assignment.rank_offset,
+                               decision.world_size, node.assignment.local_ranks),
                    deadline=math.inf, started=now)
     return node, acts + [act("stop", signals.SIGTERM), act("start", False),
                          act("watch", node.gen)]
@@ -242,10 +256,10 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
         if node.leave is not None and node.leave.announced:
             return node, []  # this node's own announcement
         if event.lost:
-            return _join(node, _say(f"{event.lost} member(s) of the round lost: aborting the "
-                                    "workers' group and forming the next round without them; "
-                                    "the workers stay up"), act("abort"),
-                         act("losses"))
+            return _join(_aborted(node), _say(
+                f"{event.lost} member(s) of the round lost: aborting the workers' group and "
+                "forming the next round without them; the workers stay up"),
+                act("abort"), act("losses"))
         what = (f"{event.leaving} node(s) leaving" if event.leaving else
                 f"{event.waiting} node(s) waiting to join" if event.waiting else
                 "the other nodes moved on")
@@ -288,9 +302,9 @@ def _on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Resul
         if node.phase is Phase.RUNNING:
             return _join(node, _say("a worker's process group failed (a peer is gone): "
                                     "forming the next round; the workers stay up"))
-        if node.phase is Phase.ENTERING:
+        if node.phase is Phase.ENTERING and message.round == node.gen:
             return _abandon(node, "a worker's new group failed while it entered")
-        return node, []
+        return node, []  # its old group failed: it enters the planned one at once
     if isinstance(message, Entered):
         return _on_entered(node, lr, message, now, rules)
     if isinstance(message, Left):
@@ -306,7 +320,10 @@ def _on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Resul
     if isinstance(message, Term):
         if node.leave is not None:
             return node, []  # the agent got it too (Slurm signals every process)
-        return _on_signal(node, Signalled(signals.SIGTERM), now, rules)
+        moved, acts = _on_signal(node, Signalled(signals.SIGTERM), now, rules)
+        if moved.leave is not None:
+            moved = replace(moved, leave=replace(moved.leave, by_worker=True))
+        return moved, acts
     return node, []  # Closed: its exit follows
 
 
@@ -334,11 +351,10 @@ def _on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules)
         return node, []
     slots = tuple(replace(s, state=Worker.RUNNING) if s.state is Worker.ENTERED else s
                   for s in node.slots)
-    newcomer = node.group is None
-    node = replace(node, slots=slots, group=(decision.prefix, mine.rank_offset,
-                                             decision.world_size))
+    node = replace(node, slots=slots, group=Group(decision.prefix, mine.rank_offset,
+                                                  decision.world_size, mine.local_ranks))
     pause = (now - node.entering_since) if decision.kind is Kind.RECOVER else None
-    return _running(node, [act("adopt", newcomer, pause)], now, rules)
+    return _running(node, [act("adopt", node.joining, pause)], now, rules)
 
 
 def _on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
@@ -363,17 +379,14 @@ def _on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if leaving:
         return _exit(node, 0, _say(f"leaving: {who} while the node was leaving; exiting"),
                      act("stop", signals.SIGTERM))
-    if event.code > 0 or not node.inprocess or rules.restart_on_change:
-        if node.restarts >= rules.max_restarts and event.code != 0:
-            return _fail(node, f"{who}; workers failed after {node.restarts} restart(s) "
-                               f"(--max-restarts {rules.max_restarts})")
-        return _after_failure(node, who, now, rules)
     if node.restarts >= rules.max_restarts:
-        return _fail(node, f"{who}; workers failed after {node.restarts} restart(s) "
-                           f"(--max-restarts {rules.max_restarts})")
+        return _fail(node, f"workers failed after {node.restarts} restart(s) (--max-restarts "
+                           f"{rules.max_restarts})")
+    if event.code > 0 or not node.inprocess or rules.restart_on_change:
+        return _after_failure(node, who, now, rules)
     restarts = node.restarts + 1
     node = _slot(replace(node, restarts=restarts, failures=node.failures + (who,)), lr,
-                 state=Worker.STARTING, step=None, join=True, replacement=True)
+                 state=Worker.STARTING, step=None, join=True)
     acts = [_say(f"{who}: restarting it alone (restart {restarts} of {rules.max_restarts}); "
                  "it joins once warm"), act("replace", lr),
             act("event", "workers_restarted", {"restarts": restarts, "reason": who,
@@ -395,13 +408,21 @@ def _on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
 # -- leaving, signals, time ------------------------------------------------------------------
 def _stop_now(node: Node, signum: int, why: str) -> Result:
     name = signals.Signals(signum).name
-    return _exit(node, 128 + signum, _say(f"{name} received{why}: stopping the workers and "
-                                          "leaving the rendezvous"), act("stop", signum))
+    if why:
+        text = f"{name} received{why}; stopping now"
+    elif node.phase is Phase.FORMING and not node.live:
+        text = f"{name} received while waiting for nodes: leaving the rendezvous"
+    else:
+        text = f"{name} received: stopping the workers and leaving the rendezvous"
+    return _exit(node, 128 + signum, _say(text), act("stop", signum))
 
 
 def _on_signal(node: Node, event: Signalled, now: float, rules: Rules,
                pending: bool = False) -> Result:
     signum = event.signum
+    if node.leave is not None and node.leave.by_worker and not pending and \
+            signum == node.leave.signum:
+        return replace(node, leave=replace(node.leave, by_worker=False)), []  # the same notice
     if (node.leave is not None and not pending) or signum == signals.SIGHUP:
         return _stop_now(node, signum, "")
     if node.phase is Phase.FINISHED or not node.live:
@@ -425,6 +446,21 @@ def _on_signal(node: Node, event: Signalled, now: float, rules: Rules,
         _say(f"{name} received: leaving the job (grace {rules.leave_grace:g} s); the other "
              f"nodes form the next round without this node while its workers keep training "
              f"({name} again stops it at once)"), act("announce")]
+
+
+def _on_expired(node: Node, event: Expired, now: float, rules: Rules) -> Result:
+    """The others took this node for gone: it joins the next round (as a new node)."""
+    if node.phase in (Phase.FORMING, Phase.EXITED):
+        return node, []
+    if node.phase in (Phase.RUNNING, Phase.FINISHED) and node.leave is None:
+        return _join(_aborted(node), _say(f"this node's store session expired, so the others "
+                                          f"take it for gone ({event.why}); re-forming"),
+                     act("abort"))
+    if node.phase in TRANSITIONS:
+        return _join(_aborted(node), _say(f"this node's store session expired as the round "
+                                          f"formed, so the others take it for gone "
+                                          f"({event.why}); re-forming"), act("abort"))
+    return node, []
 
 
 def _on_leave_failed(node: Node, event: LeaveFailed, now: float, rules: Rules) -> Result:
@@ -511,6 +547,6 @@ _HANDLERS: dict[type, Any] = {
     Formed: _on_formed, FormFailed: _on_form_failed, Hinted: _on_hinted,
     RecordsIn: _on_records, Decided: _on_decided, Assigned: _on_assigned,
     Abandoned: _on_abandoned, Changed: _on_changed, FromWorker: _on_worker, Exited: _on_exit,
-    Signalled: _on_signal, LeaveFailed: _on_leave_failed, NextSeen: _on_next, Tick: _on_tick,
-    AllFinished: _on_all_finished,
+    Signalled: _on_signal, Expired: _on_expired, LeaveFailed: _on_leave_failed,
+    NextSeen: _on_next, Tick: _on_tick, AllFinished: _on_all_finished,
 }

@@ -167,7 +167,9 @@ class WorkerGroup:
                     log.write(line)
                     log.flush()
                     current = self._workers.get(spec.local_rank)  # renumbered by a switch
-                    prefix = f"[{(current.spec if current else spec).global_rank}]:".encode()
+                    rank = (current.spec if current else spec).global_rank
+                    prefix = (f"[{rank}]:" if rank >= 0 else
+                              f"[joining {spec.local_rank}]:").encode()
                     with self._console_lock:
                         try:
                             console.flush()

@@ -98,6 +98,8 @@ class ElasticState:
         self._step_time: float | None = None
         self._reported = 0.0
         self._aborts = group_sockets.aborts
+        self._entering: int | None = None
+        """The round of the group being entered at a step boundary (None: none)."""
         self._link: AgentLink | None = agent_link()
         if self._link is None:
             return
@@ -114,7 +116,8 @@ class ElasticState:
             except Exception as exc:
                 if not self._group_failure(exc):
                     raise
-                self._link.send(Broken(self.step, fresh=True, error=_first_line(exc)))
+                self._link.send(Broken(self.step, fresh=True, round=plan.round,
+                                       error=_first_line(exc)))
                 plan = self._enter_next(fresh=True)
                 if plan is None:
                     return
@@ -194,6 +197,7 @@ class ElasticState:
             self._link.send(Left(self.step))
             return
         started = time.perf_counter()
+        self._entering = plan.round
         leave_group()
         enter_group(self._backend, plan, aborts)
         self._entered(plan, started, self._agree(plan, fresh=False))
@@ -205,7 +209,7 @@ class ElasticState:
         started = time.perf_counter()
         logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
                        self.step, type(exc).__name__, _first_line(exc))
-        self._link.send(Broken(self.step, error=_first_line(exc)))
+        self._link.send(Broken(self.step, round=self._entering, error=_first_line(exc)))
         group_sockets.abort()
         leave_group()
         while True:
@@ -217,7 +221,7 @@ class ElasticState:
             except Exception as error:
                 if not self._group_failure(error):
                     raise
-                self._link.send(Broken(self.step, error=_first_line(error)))
+                self._link.send(Broken(self.step, round=plan.round, error=_first_line(error)))
                 continue
             self.recoveries += 1
             self._entered(plan, started, received)
@@ -238,7 +242,8 @@ class ElasticState:
                 enter_group(self._backend, plan, aborts)
                 return plan
             except GroupLost as exc:
-                self._link.send(Broken(self.step, fresh=fresh, error=_first_line(exc)))
+                self._link.send(Broken(self.step, fresh=fresh, round=plan.round,
+                                       error=_first_line(exc)))
 
     def _agree(self, plan: Plan, fresh: bool) -> bool:
         """Bring every worker of the new group to one state (see ``_agreement``); whether this
@@ -256,8 +261,9 @@ class ElasticState:
                            "receive its state", odd, source, self.step)
         if not receivers:
             return False
-        received = self.rank in receivers
-        if self.rank == source:
+        me = dist.get_rank()  # in the new group (this worker's rank changes with it)
+        received = me in receivers
+        if me == source:
             sent = send_state(self._tree(), receivers, device)
             logger.info("sent %d bytes of state to ranks %s", sent, receivers)
         elif received:
@@ -276,6 +282,7 @@ class ElasticState:
         assert self._link is not None
         self.rank, self.world_size = plan.rank, plan.world_size
         self._aborts = group_sockets.aborts
+        self._entering = None
         if plan.kind is PlanKind.SWITCH:
             self.switches += 1
         if callbacks:

@@ -80,8 +80,9 @@ class AgentLink:
                 self._plan = None  # a plan not taken yet belongs to an abandoned round
                 self._cond.notify_all()
             aborted = group_sockets.abort()
-            logger.warning("the agent aborted the process group (a member is lost): %d "
-                           "socket(s) shut down", aborted)
+            if aborted:
+                logger.warning("the agent aborted the process group (a member is lost): %d "
+                               "socket(s) shut down", aborted)
         elif isinstance(message, Query):
             self.send(self.progress())
         elif isinstance(message, Stop):
@@ -182,7 +183,7 @@ def join_running_group(backend: str) -> tuple[int, int]:
         try:
             enter_group(backend, plan, aborts)
         except GroupLost as exc:
-            link.send(Broken(0, fresh=True, error=str(exc)[:300]))
+            link.send(Broken(0, fresh=True, round=plan.round, error=str(exc)[:300]))
             continue
         _joined = plan
         return plan.rank, plan.world_size
@@ -197,21 +198,23 @@ def agent_link(fresh: bool = False) -> AgentLink | None:
     return _link
 
 
-def group_store(addr: str, port: int, rank: int, world_size: int) -> dist.Store:
+def group_store(addr: str, port: int, rank: int, world_size: int, aborts: int) -> dist.Store:
     """The TCPStore of a group created in-process (its global rank 0 serves it; the others
     wait for it to listen first, since torch's client backs off for about 0.4 s when its first
     connection is refused)."""
     if rank != 0:
-        _wait_listening(addr, port, STORE_TIMEOUT.total_seconds())
+        _wait_listening(addr, port, STORE_TIMEOUT.total_seconds(), aborts)
     return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT,
                          wait_for_workers=False)
 
 
-def _wait_listening(addr: str, port: int, timeout: float) -> None:
+def _wait_listening(addr: str, port: int, timeout: float, aborts: int) -> None:
     """Return once ``addr:port`` accepts connections (or after ``timeout``: torch's client then
-    reports the failure in its own words)."""
+    reports the failure in its own words); GroupLost if an abort comes meanwhile."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if group_sockets.aborts != aborts:
+            raise GroupLost("the agent aborted the group while its store was awaited")
         try:
             socket.create_connection((addr, port), timeout=min(1.0, timeout)).close()
             return
@@ -229,7 +232,8 @@ def enter_group(backend: str, plan: Plan, aborts: int) -> None:
         with group_sockets.recording():
             if group_sockets.aborts != aborts:
                 raise GroupLost("the agent aborted the group before it was created")
-            store = group_store(plan.master_addr, plan.master_port, plan.rank, plan.world_size)
+            store = group_store(plan.master_addr, plan.master_port, plan.rank, plan.world_size,
+                                aborts)
             dist.init_process_group(backend, store=dist.PrefixStore(f"{plan.prefix}/", store),
                                     rank=plan.rank, world_size=plan.world_size,
                                     timeout=group_options["timeout"], **group_options["kwargs"])

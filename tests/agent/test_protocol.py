@@ -1,0 +1,275 @@
+"""The node's protocol as tables (``rdzv/agent/_rules.py``): one row per state and event, and
+the overlaps of issue 22 played without processes, clocks or stores."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from rdzv._messages import Broken, Entered, Hello, Progress, Term
+from rdzv.agent._protocol import (
+    Abandoned,
+    Assigned,
+    Changed,
+    Decided,
+    Exited,
+    Expired,
+    FormFailed,
+    Formed,
+    FromWorker,
+    Group,
+    Hinted,
+    Leave,
+    NextSeen,
+    Node,
+    Phase,
+    RecordsIn,
+    Rules,
+    Signalled,
+    Slot,
+    Tick,
+    Worker,
+)
+from rdzv.agent._records import Assignment, Decision, Kind, SlotState
+from rdzv.agent._rules import CONNECT_GRACE, step
+
+RULES = Rules(nproc=1, max_restarts=3, switch_timeout=60.0, leave_grace=30.0, min_nodes=1)
+NOW = 1000.0
+
+
+def running(gen: int = 3, group_rank: int = 1, nodes: int = 3, step_: int = 40,
+            nproc: int = 1) -> Node:
+    """A node whose workers train in round ``gen``'s group."""
+    return Node(phase=Phase.RUNNING, gen=gen, group_rank=group_rank, nodes=nodes,
+                slots=(Slot(Worker.RUNNING, step=step_),) * nproc, inprocess=True,
+                group=Group("rdzv-old", group_rank * nproc, nodes * nproc,
+                            tuple(range(nproc))))
+
+
+def assignment(group_rank: int = 1, nodes: int = 3, local_ranks: tuple[int, ...] = (0,)
+               ) -> Assignment:
+    return Assignment(group_rank, nodes, group_rank, nodes, group_rank, nodes, "h", 1,
+                      local_ranks)
+
+
+def decided(kind: Kind, step_: int | None = 50, source: int | None = 0) -> Decision:
+    return Decision(kind, "d1", step=step_, source=source, prefix="rdzv-d1", world_size=3,
+                    nodes=3)
+
+
+def entering(kind: Kind = Kind.SWITCH, gen: int = 4) -> Node:
+    """A node whose workers got their plans for round ``gen``."""
+    node = running(gen=3)
+    return replace(node, phase=Phase.ENTERING, gen=gen, decision=decided(kind),
+                   assignment=assignment(), deadline=NOW + 60, entering_since=NOW)
+
+
+def awaiting(coordinator: bool = False, gen: int = 4) -> Node:
+    """Round ``gen`` formed, this node's record final, no decision yet."""
+    node = running(gen=3, group_rank=0 if coordinator else 1)
+    return replace(node, phase=Phase.AWAITING, gen=gen, record_final=True, deadline=NOW + 60)
+
+
+def whats(acts: list[Any]) -> list[str]:
+    return [a.what for a in acts if a.what not in ("say", "event")]
+
+
+def worker(message: Any, local_rank: int = 0) -> FromWorker:
+    return FromWorker(local_rank, message)
+
+
+# Each row: (what it plays, the node before, the event, its phase after, the actions).
+ROWS = [
+    # -- a round forms --------------------------------------------------------------------
+    ("a member's next round formed: it writes a final record at once",
+     replace(running(), phase=Phase.FORMING), Formed(4, 1, 3), Phase.AWAITING,
+     ["watch", "record"]),
+    ("the coordinator says at once that the job runs in-process",
+     replace(running(group_rank=0), phase=Phase.FORMING), Formed(4, 0, 3), Phase.AWAITING,
+     ["watch", "hint", "record"]),
+    ("a newcomer waits for the hint before it starts anything",
+     Node(slots=(Slot(Worker.GONE),)), Formed(1, 2, 3), Phase.SETTLING, ["watch", "record"]),
+    ("the first round: the coordinator has no workers, no in-process job",
+     Node(slots=(Slot(Worker.GONE),)), Formed(1, 0, 2), Phase.AWAITING,
+     ["watch", "hint", "record"]),
+    ("the hint says in-process: the newcomer starts its workers now; nobody waits for them",
+     replace(Node(slots=(Slot(Worker.GONE),)), phase=Phase.SETTLING, gen=1, group_rank=2,
+             nodes=3), Hinted(1, True), Phase.AWAITING, ["start", "record"]),
+    ("no in-process job: the newcomer's record is final without workers",
+     replace(Node(slots=(Slot(Worker.GONE),)), phase=Phase.SETTLING, gen=1, group_rank=2,
+             nodes=3), Hinted(1, False), Phase.AWAITING, ["record"]),
+    ("the newcomer's worker is warm while a round is decided: it joins after",
+     replace(Node(slots=(Slot(Worker.STARTING, join=True),)), phase=Phase.AWAITING, gen=1,
+             group_rank=2, nodes=3, inprocess=True, record_final=True),
+     worker(Hello(0, 1, True)), Phase.AWAITING, []),
+    ("the newcomer's workers are warm: it brings them in",
+     replace(Node(slots=(Slot(Worker.STARTING, join=True),)), phase=Phase.RUNNING, gen=1,
+             group_rank=2, nodes=3, inprocess=True), worker(Hello(0, 1, True)),
+     Phase.FORMING, ["join"]),
+    ("every record is in: the coordinator decides",
+     awaiting(coordinator=True), RecordsIn(4, {}), Phase.AWAITING, ["decide"]),
+    ("the decision: read this node's assignment", awaiting(), Decided(4, decided(Kind.SWITCH)),
+     Phase.AWAITING, ["fetch"]),
+    ("a switch: the plans go to the workers", replace(awaiting(), decision=decided(Kind.SWITCH)),
+     Assigned(4, assignment()), Phase.ENTERING, ["plans"]),
+    ("a recovery: the workers' group is aborted, then the plans",
+     replace(awaiting(), decision=decided(Kind.RECOVER)), Assigned(4, assignment()),
+     Phase.ENTERING, ["abort", "plans"]),
+    ("a restart: the only fallback; stop, start anew",
+     replace(awaiting(), decision=decided(Kind.RESTART)), Assigned(4, assignment()),
+     Phase.RUNNING, ["stop", "start", "watch"]),
+    ("stay: the running group is the round's; nothing changes for the workers",
+     replace(awaiting(), decision=decided(Kind.STAY)), Assigned(4, assignment()),
+     Phase.RUNNING, ["watch"]),
+    ("the coordinator tells the old round's leavers how it moved on",
+     replace(awaiting(coordinator=True), decision=decided(Kind.SWITCH)),
+     Assigned(4, assignment(0)), Phase.ENTERING, ["next", "plans"]),
+    ("every worker is in the new group: the node runs in the round",
+     entering(), worker(Entered(4, 12.0, 50)), Phase.RUNNING, ["adopt", "watch"]),
+    ("an Entered of another round is no news", entering(), worker(Entered(3, 12.0, 50)),
+     Phase.ENTERING, []),
+    ("a round cancelled: join the next", awaiting(), Decided(4, decided(Kind.CANCEL)),
+     Phase.FORMING, ["join"]),
+    ("an event of an earlier round is dropped", awaiting(), Decided(3, decided(Kind.SWITCH)),
+     Phase.AWAITING, []),
+    # -- changes while running ----------------------------------------------------------------
+    ("a node waits to join: the next round forms in the background, training goes on",
+     running(), Changed(3, waiting=1), Phase.FORMING, ["join"]),
+    ("a member leaves: the same", running(), Changed(3, leaving=1), Phase.FORMING, ["join"]),
+    ("a member is lost: abort the group first, then form the next round",
+     running(), Changed(3, lost=1), Phase.FORMING, ["abort", "losses", "join"]),
+    ("a worker's group failed (a peer is gone)", running(), worker(Broken(40)),
+     Phase.FORMING, ["join"]),
+    ("a worker crashed: restarted alone, the others go on without it",
+     running(), Exited(0, -signal.SIGKILL), Phase.FORMING, ["replace", "join"]),
+    ("a worker failed outside the API: the restart fallback",
+     running(), Exited(0, 1, "ValueError: bug"), Phase.FORMING, ["join"]),
+    ("the restarted worker is warm: bring it into the group",
+     replace(running(), slots=(Slot(Worker.STARTING, join=True),)),
+     worker(Hello(0, 1, True)), Phase.FORMING, ["join"]),
+    ("every worker succeeded", running(), Exited(0, 0), Phase.FINISHED, ["done"]),
+    # -- overlaps (issue 22) ------------------------------------------------------------------
+    ("a loss during a planned switch: abandon it, recover in the next round",
+     entering(Kind.SWITCH), Changed(4, lost=1), Phase.FORMING, ["abort", "abandon", "join"]),
+    ("a join during a recovery: the recovery goes on (the join is taken up after)",
+     entering(Kind.RECOVER), Changed(4, waiting=1), Phase.ENTERING, []),
+    ("a join while the round's decision is awaited: no news now", awaiting(),
+     Changed(4, waiting=1), Phase.AWAITING, []),
+    ("a leave during a join: the node leaves once the join is over",
+     awaiting(), Signalled(signal.SIGTERM), Phase.AWAITING, []),
+    ("a second loss during a recovery: abandon it, recover again",
+     entering(Kind.RECOVER), Changed(4, lost=1), Phase.FORMING, ["abort", "abandon", "join"]),
+    ("a second loss before the recovery's decision: cancel (fenced) the round",
+     awaiting(), Changed(4, lost=1), Phase.AWAITING, ["cancel"]),
+    ("a newcomer dies before it is warm: the coordinator cancels the round",
+     replace(awaiting(coordinator=True), phase=Phase.AWAITING), Changed(4, lost=1),
+     Phase.AWAITING, ["cancel"]),
+    ("another node could not enter the group: abandon, recover",
+     entering(), Abandoned(4), Phase.FORMING, ["abort", "abandon", "join"]),
+    ("a member moved on after the decision: abandon, recover",
+     entering(), Changed(4, moved=1), Phase.FORMING, ["abort", "abandon", "join"]),
+    ("a worker crash while a round's decision is awaited: cancel the round",
+     awaiting(), Exited(0, -signal.SIGKILL), Phase.AWAITING, ["replace", "cancel"]),
+    ("a worker crash while entering: abandon the round",
+     entering(), Exited(0, -signal.SIGKILL), Phase.FORMING,
+     ["replace", "abort", "abandon", "join"]),
+    ("a worker crash on group rank 0, global rank 0: the same as anywhere",
+     running(group_rank=0), Exited(0, -signal.SIGKILL), Phase.FORMING, ["replace", "join"]),
+    ("a worker crash before it connected, API unknown: the restart fallback",
+     replace(running(), slots=(Slot(Worker.STARTING),), inprocess=None),
+     Exited(0, -signal.SIGKILL), Phase.FORMING, ["join"]),
+    ("a worker crash before it connected, API known: restarted alone",
+     replace(running(), slots=(Slot(Worker.STARTING),)), Exited(0, -signal.SIGKILL),
+     Phase.FORMING, ["replace", "join"]),
+    ("the old group failed while a switch is planned: the worker enters at once",
+     entering(Kind.SWITCH), worker(Broken(45)), Phase.ENTERING, []),
+    ("the new group failed while the worker entered it: abandon",
+     entering(Kind.SWITCH), worker(Broken(45, round=4)), Phase.FORMING,
+     ["abort", "abandon", "join"]),
+    ("SIGTERM to the agent: a graceful leave", running(), Signalled(signal.SIGTERM),
+     Phase.RUNNING, ["announce"]),
+    ("SIGTERM to a worker: its node leaves gracefully", running(), worker(Term()),
+     Phase.RUNNING, ["announce"]),
+    ("SIGTERM to agent and workers, the workers' first: one notice, one leave",
+     replace(running(), leave=Leave(signal.SIGTERM, NOW + 30, True, by_worker=True)),
+     Signalled(signal.SIGTERM), Phase.RUNNING, []),
+    ("SIGTERM to agent and workers, the agent's first: one notice, one leave",
+     replace(running(), leave=Leave(signal.SIGTERM, NOW + 30, True)), worker(Term()),
+     Phase.RUNNING, []),
+    ("a second SIGTERM to the agent stops it at once",
+     replace(running(), leave=Leave(signal.SIGTERM, NOW + 30, True)),
+     Signalled(signal.SIGTERM), Phase.EXITED, ["stop", "exit"]),
+    ("leaving: the others switch at step 60, so do its workers (then they stop)",
+     replace(running(), leave=Leave(signal.SIGTERM, NOW + 30, True)),
+     NextSeen(decided(Kind.SWITCH, 60)), Phase.RUNNING, ["leave_plans"]),
+    ("leaving: the others recover (the group broke): it stops its workers and exits",
+     replace(running(), leave=Leave(signal.SIGTERM, NOW + 30, True)),
+     NextSeen(decided(Kind.RECOVER)), Phase.EXITED, ["stop", "exit"]),
+    ("leaving: its workers' group failed: it exits (the others recover)",
+     replace(running(), leave=Leave(signal.SIGTERM, NOW + 30, True)), worker(Broken(41)),
+     Phase.EXITED, ["stop", "exit"]),
+    ("this node's session expired (paused past its ttl): it re-forms",
+     awaiting(), Expired("session gone"), Phase.FORMING, ["abort", "join"]),
+    # -- time -----------------------------------------------------------------------------------
+    ("no decision in time: cancel the round", replace(awaiting(), deadline=NOW - 1), Tick(),
+     Phase.AWAITING, ["cancel"]),
+    ("the workers did not enter in time: abandon, and restart them",
+     replace(entering(), deadline=NOW - 1), Tick(), Phase.FORMING,
+     ["abort", "abandon", "join"]),
+    ("workers that never connect do not use the API: the record says so",
+     replace(running(), phase=Phase.SETTLING, gen=4, slots=(Slot(Worker.STARTING),),
+             inprocess=None, deadline=NOW - 1), Tick(), Phase.AWAITING, ["record"]),
+    ("the rendezvous closed under a spare: it leaves, its job done",
+     Node(slots=(Slot(Worker.GONE),)), FormFailed("spare", "closed"), Phase.EXITED,
+     ["spare_done", "exit"]),
+]
+
+
+@pytest.mark.parametrize(("node", "event", "phase", "expected"),
+                         [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
+def test_the_protocol(node: Node, event: Any, phase: Phase, expected: list[str]) -> None:
+    after, acts = step(node, event, NOW, RULES)
+    assert (after.phase, whats(acts)) == (phase, expected)
+
+
+def test_a_leave_during_a_transition_is_carried_out_once_it_is_over() -> None:
+    node, _ = step(awaiting(), Signalled(signal.SIGTERM), NOW, RULES)
+    assert node.leave is not None and not node.leave.announced
+    node = replace(node, phase=Phase.ENTERING, decision=decided(Kind.SWITCH),
+                   assignment=assignment(), entering_since=NOW)
+    node, acts = step(node, worker(Entered(4, 10.0, 50)), NOW, RULES)
+    assert node.phase is Phase.RUNNING and "announce" in whats(acts)
+    assert node.leave is not None and node.leave.announced
+
+
+def test_an_aborted_group_is_reported_broken_in_the_next_record() -> None:
+    node, _ = step(running(), Changed(3, lost=1), NOW, RULES)
+    assert [s.report(node.inprocess) for s in node.slots] == [SlotState.BROKEN]
+
+
+def test_a_crashed_worker_is_absent_until_warm_then_fresh() -> None:
+    node, _ = step(running(), Exited(0, -signal.SIGKILL), NOW, RULES)
+    assert node.restarts == 1 and [s.report(True) for s in node.slots] == [SlotState.ABSENT]
+    node, _ = step(replace(node, phase=Phase.RUNNING), worker(Hello(0, 7, True)), NOW, RULES)
+    assert [s.report(True) for s in node.slots] == [SlotState.FRESH]
+
+
+def test_restarts_are_bounded_by_max_restarts() -> None:
+    node = replace(running(), restarts=RULES.max_restarts)
+    node, acts = step(node, Exited(0, -signal.SIGKILL), NOW, RULES)
+    assert node.phase is Phase.EXITED and whats(acts) == ["stop", "fail", "exit"]
+
+
+def test_progress_reports_keep_the_record_current() -> None:
+    node, acts = step(running(), worker(Progress(57, 0.06)), NOW, RULES)
+    assert (node.slots[0].step, node.slots[0].step_time, acts) == (57, 0.06, [])
+
+
+def test_workers_starting_connect_within_a_grace_or_never() -> None:
+    starting = replace(running(), phase=Phase.FORMING, slots=(Slot(Worker.STARTING),),
+                       inprocess=None, started=NOW - 1)
+    node, _ = step(starting, Formed(4, 1, 3), NOW, RULES)
+    assert node.phase is Phase.SETTLING and node.deadline == NOW - 1 + CONNECT_GRACE

@@ -1,0 +1,131 @@
+"""Faults that overlap a transition, with real agents, real torch (gloo) and a standalone store
+server: the three failure modes of issue 22, each resolved in-process, at once, in one world.
+
+* a node lost while a join's round forms: nobody waits out ``--switch-timeout`` for it;
+* a crashed worker on the node of group rank 0 (global rank 0): it is restarted alone, no other
+  node restarts anything;
+* a worker whose parameters differ from the others' at a change of group (what a mixed
+  decision left behind): the group's agreement on entering brings it back, nobody trains on
+  with parameters that differ.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _launcher import PYTHON, RDZV_RUN, LoggedProcess, Launcher, free_port
+from _waiting import eventually as wait_for
+from test_inprocess import EXAMPLE, PHASE_TIMEOUT, WORKER, phases, progress, worker_pid
+
+SWITCH_TIMEOUT = 40
+"""Far above every pause asked for: a transition that waits for it shows."""
+
+
+def serve(launcher: Launcher) -> int:
+    port = free_port()
+    server = launcher.start([PYTHON, "-m", "rdzv", "serve", "--host", "127.0.0.1",
+                             "--port", str(port)])
+    wait_for(lambda: "listening on" in server.output(), PHASE_TIMEOUT, "the store server")
+    return port
+
+
+def agent_args(tmp_path: Path, port: int, program: list[str]) -> list[str]:
+    return [*RDZV_RUN, "--nnodes", "2:4", "--nproc-per-node", "1", "--rdzv-backend", "tcp",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+            "--rdzv-conf", "last_call_timeout=1,is_host=0", "--local-addr", "127.0.0.1",
+            "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5", "--max-restarts", "3",
+            "--switch-timeout", str(SWITCH_TIMEOUT), *program]
+
+
+def example(tmp_path: Path, steps: int) -> list[str]:
+    return [EXAMPLE, "--steps", str(steps), "--checkpoint", str(tmp_path / "model.ckpt"),
+            "--progress", str(tmp_path / "progress.jsonl"), "--log-every", "1",
+            "--save-every", "50", "--step-sleep", "0.03"]
+
+
+def started_once(node: LoggedProcess) -> bool:
+    return len(re.findall(r"started 1 worker\(s\)", node.output())) == 1
+
+
+def longest_pause(entries: list[dict[str, Any]]) -> float:
+    return max(b["time"] - a["time"] for a, b in zip(entries, entries[1:]))
+
+
+@pytest.mark.timeout(600)
+def test_a_node_lost_while_a_join_forms_costs_no_switch_timeout(launcher: Launcher,
+                                                                tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    args = agent_args(tmp_path, serve(launcher), example(tmp_path, 400))
+    a, b, c = (launcher.start(args) for _ in range(3))
+    wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
+             "20 steps at world size 3")
+    before = len(progress(log))
+    d = launcher.start(args)  # a newcomer: the next round forms while it warms up
+    wait_for(lambda: "started 1 worker(s)" in d.output(), PHASE_TIMEOUT, "the newcomer warming")
+    os.killpg(c.pid, signal.SIGKILL)  # a member of the forming round dies, agent and worker
+    c.wait(PHASE_TIMEOUT)
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in (a, b, d)]
+    outputs = "".join(node.output()[-6000:] for node in (a, b, d))
+    assert codes == [0, 0, 0], outputs
+    entries = progress(log)[before:]
+    assert entries[-1]["step"] == 400 and phases(entries)[-1] == 3, phases(entries)
+    assert longest_pause(entries) < 5.0, outputs  # not the --switch-timeout of 40 s
+    for node in (a, b):  # in-process: the same worker all along
+        assert started_once(node) and "restarting the workers" not in node.output(), outputs
+    assert "DIFFERENT" not in outputs and "joined a running job" in d.output(), outputs
+
+
+@pytest.mark.timeout(600)
+def test_a_crashed_worker_of_global_rank_0_is_restarted_alone(launcher: Launcher,
+                                                              tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    args = agent_args(tmp_path, serve(launcher), example(tmp_path, 300))
+    nodes = [launcher.start(args) for _ in range(3)]
+    wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
+             "20 steps at world size 3")
+    first = next(n for n in nodes if "this node is group rank 0 with global ranks 0..0"
+                 in n.output())
+    before = len(progress(log))
+    os.kill(worker_pid(first.pid), signal.SIGKILL)  # the worker alone; its node survives
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in nodes]
+    outputs = "".join(node.output()[-6000:] for node in nodes)
+    assert codes == [0, 0, 0], outputs
+    for node in nodes:
+        if node is not first:  # nobody else restarts anything
+            assert started_once(node) and "restarting the workers" not in node.output(), outputs
+    assert "restarting it alone (restart 1 of 3)" in first.output(), outputs
+    assert "joined a running job" in first.output(), outputs
+    entries = progress(log)[before:]
+    assert entries[-1]["step"] == 300 and phases(entries)[-2:] == [2, 3], phases(entries)
+    assert longest_pause(entries) < 3.0, outputs  # the others do not wait for it to warm up
+    steps = [e["step"] for e in entries]
+    jumps = [(x, y) for x, y in zip(steps, steps[1:]) if y != x + 1]
+    assert len(jumps) <= 1 and all(y in (x, x + 2) for x, y in jumps), jumps
+    assert "DIFFERENT" not in outputs
+
+
+@pytest.mark.timeout(600)
+def test_parameters_that_differ_at_a_change_are_brought_into_agreement(
+        launcher: Launcher, tmp_path: Path) -> None:
+    perturb = tmp_path / "perturb"
+    args = agent_args(tmp_path, serve(launcher), [WORKER, "--steps", "400", "--perturb-file",
+                                                  str(perturb), "--perturb-rank", "1"])
+    first, second = launcher.start(args), launcher.start(args)
+    wait_for(lambda: "step 20 world_size 2" in first.output() + second.output(), PHASE_TIMEOUT,
+             "20 steps")
+    perturb.touch()  # rank 1 now holds other weights than rank 0: a wrong world
+    wait_for(lambda: "rank 1 perturbs its weights" in first.output() + second.output(),
+             PHASE_TIMEOUT, "the perturbation")
+    third = launcher.start(args)  # a join: every worker changes group
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in (first, second, third)]
+    outputs = "".join(node.output() for node in (first, second, third))
+    assert codes == [0, 0, 0], outputs[-12000:]
+    checks = re.findall(r"world size (\d) at step \d+: weights (\w+)", outputs)
+    assert ("3", "identical") in checks and ("3", "DIFFERENT") not in checks, outputs
+    assert re.search(r"ranks \[\d\] held other parameters than rank \d at step \d+: they "
+                     r"receive its state", outputs), outputs
