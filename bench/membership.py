@@ -35,7 +35,8 @@ Every launcher gets ``--monitor-interval 0.1 --max-restarts 3`` and ``--rdzv-con
 last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3`` (torch's c10d takes whole
 seconds only: 1 s is its fastest last call); ``rdzv run`` also ``--stop-timeout 5``. Every process
 the bench starts (launchers and all their descendants) is killed by pid at the end of each job,
-also on an error or Ctrl-C. This machine is shared: absolute times are noisy.
+also on an error or Ctrl-C (command lines and process handling: ``tests/_training.py``, shared
+with the training chaos soak). This machine is shared: absolute times are noisy.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,12 +53,10 @@ import tempfile
 import time
 from typing import Any
 
-HOST = "127.0.0.1"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "elastic_train.py")
-LAUNCHERS = ("rdzv", "rdzv-restart", "torchrun-rdzv-tcp", "torchrun-c10d")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from _training import LAUNCHERS, JobSpec, TrainingJob, free_port  # noqa: E402  (tests/_training.py)
+
 CHANGES = ("scale-out", "scale-in", "crash")
-CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 POLL = 0.01
 """Seconds between two looks at the progress file."""
 
@@ -66,12 +64,6 @@ POLL = 0.01
 class KilledFromOutside(Exception):
     """A launcher died of a SIGKILL the bench did not send (another user's cleanup on a shared
     machine): the job is run again."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 CHECK_COST = """
@@ -102,113 +94,24 @@ def check_cost() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def launcher_command(launcher: str, model_mb: float, port: int, node: int, work: str,
-                     args: argparse.Namespace) -> list[str]:
-    """Node ``node``'s launcher command line (node 0 hosts the rendezvous store)."""
-    common = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-id", "bench",
-              "--rdzv-endpoint", f"{HOST}:{port}", "--local-addr", HOST, "--max-restarts", "3",
-              "--monitor-interval", "0.1", "--rdzv-conf", f"{CONF},is_host={str(node == 0).lower()}",
-              "--log-dir", os.path.join(work, f"logs{node}")]
-    if launcher.startswith("rdzv"):
-        head = [sys.executable, "-m", "rdzv.run", "--rdzv-backend", "tcp", "--stop-timeout", "5"]
-        if launcher == "rdzv-restart":
-            head.append("--restart-on-change")
-    else:
-        backend = "c10d" if launcher == "torchrun-c10d" else "rdzv-tcp"
-        head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", backend]
-    return head + common + [
-        EXAMPLE, "--steps", "1000000", "--checkpoint", os.path.join(work, "model.ckpt"),
-        "--save-every", str(args.save_every), "--log-every", "1",
-        "--progress", os.path.join(work, "progress.jsonl"),
-        "--step-sleep", str(args.step_sleep), "--model-mb", str(model_mb)]
-
-
-def proc_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (tells a pid apart from a later process reusing it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process under ``root`` (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as handle:
-                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(name))
-    found, todo = [], [root]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found.extend(children)
-        todo.extend(children)
-    return found
-
-
-class Job:
-    """The launchers of one job, their logs and progress file in ``work``; kills them all by pid."""
+class Job(TrainingJob):
+    """The launchers of one job of the bench, their logs and progress file in ``work``; which
+    of them were told to stop, and why the job cannot go on."""
 
     def __init__(self, launcher: str, model_mb: float, work: str, args: argparse.Namespace) -> None:
-        self.launcher, self.model_mb, self.work, self.args = launcher, model_mb, work, args
-        self.port = free_port()
-        self.nodes: list[subprocess.Popen[bytes]] = []
+        super().__init__(JobSpec(launcher, free_port(), save_every=args.save_every,
+                                 step_sleep=args.step_sleep, model_mb=model_mb), work)
+        self.args = args
         self.terminated: set[int] = set()
-        self.known: dict[int, int | None] = {}  # every pid started, directly or not -> start time
-        self.progress = os.path.join(work, "progress.jsonl")
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-    def start(self) -> float:
-        """Start the next node (the first hosts the store); the wall-clock instant of the spawn."""
-        node = len(self.nodes)
-        command = launcher_command(self.launcher, self.model_mb, self.port, node, self.work, self.args)
-        with open(os.path.join(self.work, f"node{node}.log"), "wb") as log:
-            spawned = time.time()
-            self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, cwd=self.work,
-                                               env=self.env, start_new_session=True))
-        self.known[self.nodes[-1].pid] = proc_start_time(self.nodes[-1].pid)
-        return spawned
 
     def sigkill(self, node: int) -> float:
         """SIGKILL node ``node``'s launcher and every process under it at once (a lost node)."""
-        self.track()
         self.terminated.add(node)
-        tree = [self.nodes[node].pid] + descendants(self.nodes[node].pid)
-        sent = time.time()
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return sent
+        return self.signal_node(node, signal.SIGKILL, whole_tree=True)
 
     def sigterm(self, node: int) -> float:
-        self.track()
         self.terminated.add(node)
-        sent = time.time()
-        self.nodes[node].send_signal(signal.SIGTERM)
-        return sent
-
-    def track(self) -> None:
-        """Remember every live descendant of the launchers (torchrun's and rdzv's workers run in
-        sessions of their own, so a process group kill would miss them)."""
-        for process in self.nodes:
-            for child in descendants(process.pid):
-                if child not in self.known:
-                    self.known[child] = proc_start_time(child)
-
-    def entries(self) -> list[dict[str, Any]]:
-        """Rank 0's progress so far (complete lines: the last one may be half written)."""
-        if not os.path.exists(self.progress):
-            return []
-        with open(self.progress) as handle:
-            return [json.loads(line) for line in handle.read().split("\n")[:-1]]
+        return self.signal_node(node, signal.SIGTERM, whole_tree=False)
 
     def failure(self) -> str | None:
         """Why the job cannot go on: a launcher not told to stop has exited (its last error)."""
@@ -246,20 +149,6 @@ class Job:
         raise RuntimeError(f"no {count} steps at world size {world} within {timeout:g} s (last step "
                            f"logged: {last[0]['step']} at world size {last[0]['world_size']}, "
                            f"{time.time() - last[0]['time']:.0f} s before)")
-
-    def stop(self) -> None:
-        self.track()
-        for pid, started in self.known.items():
-            if started is not None and proc_start_time(pid) == started:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for process in self.nodes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                print(f"warning: launcher pid {process.pid} still there after SIGKILL", file=sys.stderr)
 
 
 def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: int,
@@ -311,7 +200,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
             except RuntimeError as exc:
                 results["scale-out"] = {"failed": str(exc)}
                 trigger = 0.0
-                job.stop()
+                job.kill_all()
                 os.mkdir(os.path.join(work, "fresh"))
                 jobs.append(Job(launcher, model_mb, os.path.join(work, "fresh"), args))
                 job = jobs[1]
@@ -330,7 +219,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
             results["crash"] = crash(launcher, model_mb, work, args, jobs)
         finally:
             for job in jobs:
-                job.stop()
+                job.kill_all()
     return results
 
 
