@@ -196,6 +196,11 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
     i = index("worker_failed", i, rank=1, exit_code=1,
               error="ValueError: rank 1 fails on purpose")
     i = index("round_formed", i, round=restarted.round, cause="restart")
+    index("restart_fallback", i, round=restarted.round, cause="worker_failed")  # said once
+    causes = [r["fields"]["cause"] for r in records if r["kind"] == "restart_fallback"]
+    # the workers here do not use the in-process API: every change restarts them, once each
+    assert causes.count("worker_failed") == 1 and set(causes) == {"worker_failed",
+                                                                  "not_inprocess"}, causes
     i = index("workers_restarted", i, restarts=1)  # counted when the round restarts them
     i = index("training_paused", i, cause="worker_failed")
     i = index("round_formed", i, round=grown.round, newcomers=[d_id], cause="join")
@@ -218,6 +223,8 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
                f"{short_c} left: graceful leave" in line for line in lines), text.stdout
     assert any("worker rank 1 failed with exit code 1: ValueError: rank 1 fails on purpose"
                in line for line in lines), text.stdout
+    assert any("every worker restarts (the fallback, decided by" in line and
+               "worker failed" in line for line in lines), text.stdout
     assert any("left: " + lost_reason.replace("_", " ") in line for line in lines)
 
     # --since: only what happened after the moment given

@@ -140,20 +140,23 @@ def decide(records: Mapping[int, NodeRecord | None], ctx: DecideContext
                         f"record within {ctx.timeout_s:g} s", **base), {}
     full: dict[int, NodeRecord] = {g: r for g, r in records.items() if r is not None}
     unsettled = sorted(g for g, r in full.items() if not r.final)
-    restart = next((f"node {g}: {r.restart}" for g, r in sorted(full.items()) if r.restart), None)
+    restart = next(((r.restart_cause or "worker_failed", f"node {g}: {r.restart}")
+                    for g, r in sorted(full.items()) if r.restart), None)
     if restart is None and unsettled:
-        restart = (f"the workers of group rank {_ranks(unsettled)} did not connect to their agent "
-                   f"within {ctx.timeout_s:g} s (do they use rdzv.torch.ElasticState?)")
+        restart = ("connect_timeout", f"the workers of group rank {_ranks(unsettled)} did not "
+                   f"connect to their agent within {ctx.timeout_s:g} s (do they use "
+                   "rdzv.torch.ElasticState?)")
     live = any(s.state is not SlotState.ABSENT for r in full.values() for s in r.slots)
     if restart is None and live:
-        restart = next((f"node {g}'s workers do not switch in-process" for g, r in
-                        sorted(full.items()) if r.inprocess is False and any(
+        restart = next((("not_inprocess", f"node {g}'s workers do not switch in-process")
+                        for g, r in sorted(full.items()) if r.inprocess is False and any(
                             s.state is not SlotState.ABSENT for s in r.slots)), None)
     if restart is not None or not live:
         assignments, master = _assign(full, everyone=True)
-        kind = Kind.RESTART if live or restart is not None else Kind.START
-        return Decision(kind, why=restart or "", prefix=f"rdzv-{ctx.decision_id}",
-                        master_addr=master[0], master_port=master[1],
+        cause, why = restart or ("", "")
+        return Decision(Kind.RESTART if restart else Kind.START, why=why, cause=cause,
+                        prefix=f"rdzv-{ctx.decision_id}", master_addr=master[0],
+                        master_port=master[1],
                         world_size=sum(len(r.slots) for r in full.values()), **base), assignments
     assignments, master = _assign(full, everyone=False)
     world_size = sum(len(a.local_ranks) for a in assignments.values())

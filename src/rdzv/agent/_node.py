@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import signal
 import sys
@@ -21,19 +20,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from .._channel import ChannelServer
-from .._messages import Abort, Entered, Plan, PlanKind, Stop
 from ..errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
-    RendezvousStateError,
     RendezvousTimeoutError,
     SessionExpiredError,
 )
 from ..rendezvous import RendezvousInfo
 from ..store import Store
-from ._decide import DecideContext, decide
+from ._crew import Crew, Said
+from ._decide import DecideContext
 from ._errors import WorkerFailure, failure_summary
 from ._history import (
     MAX_FAILURES,
@@ -49,9 +46,8 @@ from ._protocol import (
     Decided,
     Exited,
     Expired,
-    FormFailed,
     Formed,
-    FromWorker,
+    FormFailed,
     LeaveFailed,
     Node,
     Phase,
@@ -61,22 +57,12 @@ from ._protocol import (
     Worker,
 )
 from ._records import (
-    DECISION_KEY,
     HINT_KEY,
     NEXT_KEY,
-    Decision,
     Kind,
     NodeRecord,
-    SlotReport,
     abandon_key,
-    assign_key,
-    dumps_assignment,
     dumps_decision,
-    dumps_record,
-    loads_assignment,
-    loads_decision,
-    ready_key,
-    record_key,
 )
 from ._round import (
     LEAVING_DIR,
@@ -87,9 +73,18 @@ from ._round import (
     reserve_workers_port,
     wait_until_others_left,
 )
+from ._round_io import (
+    build_record,
+    leaving_ranks,
+    plans,
+    read_assignment,
+    write_cancel,
+    write_decision,
+    write_record,
+)
 from ._rules import step
 from ._watch import Watcher, watch_finish, watch_membership, watch_next, watch_round
-from ._workers import WorkerExited, WorkerGroup
+from ._workers import WorkerExited
 
 if TYPE_CHECKING:
     from ._agent import ElasticAgent
@@ -109,16 +104,6 @@ class RoundResult:
     future: "Future[RendezvousInfo]"
 
 
-@dataclass(frozen=True)
-class Said:
-    """Event: a worker's message, on the channel connection of ``epoch`` (a message of a
-    worker stopped since, on a connection forgotten since, is dropped)."""
-
-    epoch: int
-    local_rank: int
-    message: Any
-
-
 class NodeRun:
     """One node's run: the event loop and the actions of its protocol."""
 
@@ -129,15 +114,11 @@ class NodeRun:
         self.rules = Rules(config.nproc_per_node, config.max_restarts, config.switch_timeout,
                            config.leave_grace, config.restart_on_change, config.min_nodes)
         self.node = Node(slots=(Slot(state=Worker.GONE),) * config.nproc_per_node)
-        self._epoch = 0
-        self.link = ChannelServer(lambda lr, message: self.events.put(
-            Said(self._epoch, lr, message)))
-        agent.channel_path = self.link.path
+        self.crew = Crew(agent)
         self.info: RendezvousInfo | None = None
         """The round the node is in (formed last)."""
         self.group_info: RendezvousInfo | None = None
         """The round whose group the workers run in."""
-        self.group: WorkerGroup | None = None
         self.exit_code: int | None = None
         self._future: Future[RendezvousInfo] | None = None
         self._joining_since = time.monotonic()
@@ -147,15 +128,12 @@ class NodeRun:
         self._round_watcher: Watcher | None = None
         self._others: list[Watcher] = []
         self._clients: list[Store | None] = [None, None]
-        self._entered_ms: dict[int, float] = {}
         self._failures: list[WorkerFailure] = []
         self._paused: tuple[float, str] | None = None
         """Since when this node's training is paused (its workers stopped), and why."""
         self._alive_marked = -1
         self._port = 0
         """The port this node reserved in the current round for a new group's store."""
-        self._incarnation = 0
-        """Tags the exits of each worker group started (a stopped group's are dropped)."""
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
@@ -177,9 +155,7 @@ class NodeRun:
         self._unwatch()
         for watcher in self._others:
             watcher.stop()
-        if self.group is not None:
-            self._stop_workers(signal.SIGTERM, self.config.stop_timeout)
-        self.link.close()
+        self.crew.close(self.config.stop_timeout)
         for client in self._clients:
             if client is not None:
                 client.close()
@@ -198,15 +174,9 @@ class NodeRun:
         if isinstance(event, RoundResult):
             return self._formed(event.future) if event.future is self._future else None
         if isinstance(event, WorkerExited):
-            if self.group is None or event.generation != self.group.generation:
-                return None  # a worker of a group stopped since
-            return self._exited(event)
+            return self._exited(event) if self.crew.current(event) else None
         if isinstance(event, Said):
-            if event.epoch != self._epoch:
-                return None
-            if isinstance(event.message, Entered):
-                self._entered_ms[event.local_rank] = event.message.ms
-            return FromWorker(event.local_rank, event.message)
+            return self.crew.said(event)
         if isinstance(event, Tick) and self.node.phase is Phase.FORMING:
             self._say_waiting()
         return event
@@ -232,10 +202,10 @@ class NodeRun:
         return Formed(self.node.gen + 1, info.rank, info.world_size)
 
     def _exited(self, event: WorkerExited) -> Exited:
-        assert self.group is not None
+        assert self.crew.group is not None
         error = ""
         if event.returncode != 0:
-            failure = self.agent.failure(self.group, event.local_rank, event.returncode)
+            failure = self.agent.failure(self.crew.group, event.local_rank, event.returncode)
             self._failures.append(failure)
             self._paused = self._paused or (failure.time, "worker_failed")
             if len(self._failures) <= MAX_FAILURES:
@@ -334,44 +304,13 @@ class NodeRun:
     def _act_record(self) -> None:
         info, node = self.info, self.node
         assert info is not None
-        store = info.store
         if self._alive_marked != node.gen:
             self._alive_marked = node.gen
             mark_alive(info)
-        with store.batch():
-            store.set(record_key(node.group_rank), dumps_record(self._record()))
-            if node.record_final:
-                store.set(ready_key(node.group_rank), b"1")
-
-    def _record(self) -> NodeRecord:
-        node, config, group = self.node, self.config, self.node.group
-        wall, now = time.time(), time.monotonic()
-        running = [s for s in node.slots if s.state is Worker.RUNNING and s.sampled]
-        sampled = max((s.sampled for s in running), default=now)
-        return NodeRecord(
-            slots=tuple(SlotReport(s.report(node.inprocess), s.step) for s in node.slots),
-            role=config.role, host=self.agent.host, port=self._port,
-            final=node.record_final,
-            inprocess=False if config.restart_on_change else node.inprocess,
-            restart=node.restart_why, lineage=group and group.prefix,
-            offset=group and group.offset, group_size=group and group.size,
-            held=group.held(node.slots) if group else (), leaving=self._leaving_ranks(),
-            step_time=max((s.step_time for s in running if s.step_time), default=None),
-            sampled=wall - (now - sampled), node_id=getattr(self.handler, "node_id", None),
-            pid=os.getpid(), time=wall, join_s=round(now - self._joining_since, 6),
-            max_nodes=config.max_nodes)
-
-    def _leaving_ranks(self) -> tuple[int, ...]:
-        """The global ranks, in the workers' group, of the nodes that announced their leave."""
-        if self.group_info is None:
-            return ()
-        ranks: set[int] = set()
-        for raw in self.group_info.store.list_keys(LEAVING_DIR).values():
-            try:
-                ranks.update(int(r) for r in json.loads(raw).get("ranks", []))
-            except (ValueError, TypeError, AttributeError):
-                logger.warning("ignoring a malformed leave entry: %r", raw[:80])
-        return tuple(sorted(ranks))
+        leaving = leaving_ranks(self.group_info.store) if self.group_info is not None else ()
+        write_record(info.store, node, build_record(
+            node, self.config, self.agent.host, self._port, leaving,
+            getattr(self.handler, "node_id", None), time.monotonic() - self._joining_since))
 
     def _act_hint(self, inprocess: bool) -> None:
         assert self.info is not None
@@ -379,28 +318,17 @@ class NodeRun:
 
     def _act_decide(self, records: dict[int, NodeRecord | None], timed_out: bool) -> None:
         assert self.info is not None
-        node, store = self.node, self.info.store
-        decision, assignments = decide(records, DecideContext(
+        decision, current = write_decision(self.info.store, records, DecideContext(
             uuid.uuid4().hex[:12], str(getattr(self.handler, "node_id", "")), time.time(),
-            node.nodes, timed_out, self.rules.switch_timeout))
-        if assignments:
-            ranks = sorted(assignments)
-            store.multi_set([assign_key(decision.id, g) for g in ranks],
-                            [dumps_assignment(assignments[g]) for g in ranks])
-        self._settle_decision(store.compare_set(DECISION_KEY, b"",
-                                                dumps_decision(decision).encode()))
+            self.node.nodes, timed_out, self.rules.switch_timeout))
+        if current == decision and decision.kind is Kind.RESTART:  # each fallback, once
+            record(self.handler, "restart_fallback", cause=decision.cause, reason=decision.why)
+        self.events.put(Decided(self.node.gen, current))
 
     def _act_cancel(self) -> None:
         assert self.info is not None
-        cancel = Decision(Kind.CANCEL, uuid.uuid4().hex[:12],
-                          by=str(getattr(self.handler, "node_id", "")),
-                          why=f"cancelled by group rank {self.node.group_rank}")
-        self._settle_decision(self.info.store.compare_set(DECISION_KEY, b"",
-                                                          dumps_decision(cancel).encode()))
-
-    def _settle_decision(self, current: bytes) -> None:
-        """The decision key's value after a fenced write: whoever wrote first, the round's."""
-        self.events.put(Decided(self.node.gen, loads_decision(DECISION_KEY, current)))
+        self.events.put(Decided(self.node.gen, write_cancel(
+            self.info.store, str(getattr(self.handler, "node_id", "")), self.node.group_rank)))
 
     def _act_abandon(self) -> None:
         if self.info is not None:
@@ -408,27 +336,14 @@ class NodeRun:
 
     def _act_fetch(self) -> None:
         assert self.info is not None and self.node.decision is not None
-        key = assign_key(self.node.decision.id, self.node.group_rank)
-        raw = self.info.store.try_get(key)  # written before the decision that names it
-        if raw is None:
-            raise RendezvousStateError(f"the decision names an assignment {key!r} that is "
-                                       "not in the round's store")
-        self.events.put(Assigned(self.node.gen, loads_assignment(key, raw)))
+        self.events.put(Assigned(self.node.gen, read_assignment(
+            self.info.store, self.node.decision, self.node.group_rank)))
 
     def _act_plans(self) -> None:
         node = self.node
         decision, mine = node.decision, node.assignment
         assert decision is not None and mine is not None
-        self._entered_ms.clear()
-        kind = PlanKind(decision.kind.value)
-        for index, lr in enumerate(mine.local_ranks):
-            self.link.send(lr, Plan(
-                round=node.gen, kind=kind, step=decision.step, source=decision.source,
-                rank=mine.rank_offset + index, world_size=mine.world_size,
-                group_rank=mine.group_rank, group_world_size=mine.group_world_size,
-                role_rank=mine.role_rank_offset + index, role_world_size=mine.role_world_size,
-                master_addr=mine.master_addr, master_port=mine.master_port,
-                prefix=decision.prefix))
+        self.crew.send_plans(plans(node.gen, decision, mine))
         if decision.kind is Kind.SWITCH:
             self.agent.say(f"round {node.gen} decided: switching at step {decision.step}")
         else:
@@ -439,19 +354,12 @@ class NodeRun:
                            f"{source}")
 
     def _act_abort(self) -> None:
-        for lr in self.link.connected():
-            self.link.send(lr, Abort())
+        self.crew.abort()
 
     def _act_start(self, join: bool) -> None:
         node = self.node
-        if self.group is not None:
-            self._stop_workers(signal.SIGTERM, self.config.stop_timeout)
-        self._incarnation += 1
-        self.group = self.agent.new_group(self._incarnation)
-        self._forget_workers()
         assignment = None if join else node.assignment
-        self.agent.start_workers(self.group, list(range(self.config.nproc_per_node)), assignment,
-                                 node.restarts)
+        self.crew.start(assignment, node.restarts, self.config.stop_timeout)
         if assignment is None:
             record(self.handler, "workers_started", nproc=self.config.nproc_per_node,
                    group_rank=node.group_rank, restarts=node.restarts, joining=True)
@@ -468,27 +376,12 @@ class NodeRun:
                 self._paused = None
 
     def _act_replace(self, local_rank: int) -> None:
-        assert self.group is not None
-        self.agent.start_workers(self.group, [local_rank], None, self.node.restarts)
+        self.crew.replace(local_rank, self.node.restarts)
 
     def _act_stop(self, signum: int) -> None:
-        if self.group is not None:
+        if self.crew.group is not None:
             self._paused = self._paused or (time.time(), "membership_change")
-            self._stop_workers(signum, self.config.stop_timeout)
-            self.group = None
-
-    def _stop_workers(self, signum: int, timeout: float) -> None:
-        """Stop every worker: API workers hear it on the channel first (a SIGTERM alone is
-        their node's notice to leave), then the signal, then SIGKILL after ``timeout``."""
-        assert self.group is not None
-        for lr in self.link.connected():
-            self.link.send(lr, Stop())
-        self._forget_workers()  # what they say from now on is no news
-        self.group.stop(signum, timeout)
-
-    def _forget_workers(self) -> None:
-        self._epoch += 1
-        self.link.forget()
+            self.crew.stop(signum, self.config.stop_timeout)
 
     def _act_announce(self) -> None:
         info, node = self.info, self.node
@@ -510,8 +403,7 @@ class NodeRun:
             info.store, self.events.put, max(0.0, node.leave.deadline - time.monotonic()))))
 
     def _act_leave_plans(self, step_: int) -> None:
-        for lr in self.link.connected():
-            self.link.send(lr, Plan(round=self.node.gen, kind=PlanKind.LEAVE, step=step_))
+        self.crew.send_leave(self.node.gen, step_)
 
     def _act_next(self) -> None:
         """Tell the nodes of the workers' previous round (a leaving one) how its members moved
@@ -523,10 +415,10 @@ class NodeRun:
     def _act_adopt(self, newcomer: bool, pause: float | None) -> None:
         node = self.node
         decision, mine = node.decision, node.assignment
-        assert decision is not None and mine is not None and self.group is not None
-        self.group.renumber({lr: mine.rank_offset + i for i, lr in enumerate(mine.local_ranks)})
+        assert decision is not None and mine is not None
+        self.crew.renumber(mine)
         self.group_info = self.info
-        ms = max((self._entered_ms.get(lr, 0.0) for lr in mine.local_ranks), default=0.0)
+        ms = self.crew.pause_ms(mine.local_ranks)
         at = max((node.slots[lr].step or 0 for lr in mine.local_ranks), default=0)
         recovered = decision.kind is Kind.RECOVER
         if newcomer:
@@ -557,9 +449,7 @@ class NodeRun:
             self.config.monitor_interval)))
 
     def _act_succeed(self) -> None:
-        if self.group is not None:
-            self._stop_workers(signal.SIGTERM, self.config.stop_timeout)
-            self.group = None
+        self.crew.stop(signal.SIGTERM, self.config.stop_timeout)
         self._close("workers_succeeded")
         if self.info is not None:
             try:

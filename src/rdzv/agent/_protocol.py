@@ -161,6 +161,8 @@ class Node:
     hint_written: bool = False
     record_final: bool = False
     restart_why: str | None = None
+    restart_cause: str = ""
+    """Why in a word (``worker_failed``, ``enter_timeout``, ``connect_timeout``): a label."""
     """A worker failed outside the API (or never connected): every worker restarts."""
     restarts: int = 0
     started: float = 0.0

@@ -84,6 +84,8 @@ class NodeRecord:
     """Its workers use the in-process API (None: not known yet)."""
     restart: str | None = None
     """Why this node needs every worker restarted (a worker failed outside the API), if so."""
+    restart_cause: str = ""
+    """That reason in a word (``rdzv.rendezvous.RESTART_CAUSES``)."""
     lineage: str | None = None
     """The prefix of the group its state-holding workers are in."""
     offset: int | None = None
@@ -142,6 +144,8 @@ class Decision:
     nodes: int = 0
     receivers: int = 0
     """How many workers receive the state (newcomers and survivors behind the source)."""
+    cause: str = ""
+    """A restart's cause (``rdzv.rendezvous.RESTART_CAUSES``)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,7 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
         _check(key, _is_number(data.get(name), name == "step_time"), f"malformed {name}")
     for name in ("role", "host"):
         _check(key, isinstance(data.get(name), str), f"malformed {name}")
+    _check(key, isinstance(data.get("restart_cause"), str), "malformed restart_cause")
     for name in ("restart", "lineage", "node_id"):
         _check(key, data.get(name) is None or isinstance(data[name], str), f"malformed {name}")
     for name in ("held", "leaving"):
@@ -235,6 +240,7 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
            "malformed flags")
     return NodeRecord(slots=reports, role=data["role"], host=data["host"], port=data["port"],
                       final=data["final"], inprocess=data["inprocess"], restart=data["restart"],
+                      restart_cause=data["restart_cause"],
                       lineage=data["lineage"], offset=data["offset"],
                       group_size=data["group_size"], held=tuple(data["held"]),
                       leaving=tuple(data["leaving"]), step_time=data["step_time"],
@@ -253,7 +259,7 @@ def loads_decision(key: str, raw: bytes) -> Decision:
     except ValueError:
         raise RendezvousStateError(f"agent key {key!r}: unknown decision kind "
                                    f"{data.get('kind')!r}") from None
-    for name in ("id", "by", "why", "prefix", "master_addr"):
+    for name in ("id", "by", "why", "prefix", "master_addr", "cause"):
         _check(key, isinstance(data.get(name), str), f"malformed {name}")
     for name in ("step", "source"):
         _check(key, _is_int(data.get(name), True), f"malformed {name}")
@@ -261,7 +267,7 @@ def loads_decision(key: str, raw: bytes) -> Decision:
         _check(key, _is_int(data.get(name)), f"malformed {name}")
     return Decision(kind=kind, **{k: data[k] for k in (
         "id", "by", "why", "step", "source", "prefix", "master_addr", "master_port",
-        "world_size", "nodes", "receivers")})
+        "world_size", "nodes", "receivers", "cause")})
 
 
 def dumps_assignment(assignment: Assignment) -> str:

@@ -18,7 +18,15 @@ from typing import Any, Callable
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler
 from ..store import Store
-from ._protocol import Abandoned, AllFinished, Changed, Decided, Hinted, NextSeen, RecordsIn
+from ._protocol import (
+    Abandoned,
+    AllFinished,
+    Changed,
+    Decided,
+    Hinted,
+    NextSeen,
+    RecordsIn,
+)
 from ._records import (
     ABANDON_DIR,
     CTL_DIR,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ..errors import RendezvousParameterError, SourceUnavailable
-from ..rendezvous._history import EVENT_KINDS, EventLog
+from ..rendezvous._history import EVENT_KINDS, RESTART_CAUSES, EventLog
 from ..server._metrics import Histogram, HistogramSnapshot, ServerMetricsSnapshot
 from ._source import RunSource
 
@@ -43,8 +43,10 @@ OTHER = "other"
 history (each value is a time series in Prometheus)."""
 ROUND_CAUSES = ("initial", "join", "leave", "loss", "restart")
 """The ``cause`` of a ``round_formed`` event."""
-PAUSE_CAUSES = ("worker_failed", "membership_change", *PAUSE_KINDS)
+PAUSE_CAUSES = ("worker_failed", "membership_change", "member_lost", *PAUSE_KINDS)
 """The ``cause`` of a training pause (the event's kind when it has none)."""
+FALLBACK_CAUSES = RESTART_CAUSES
+"""The ``cause`` of a ``restart_fallback`` event."""
 
 
 @dataclass
@@ -61,6 +63,8 @@ class RunTotals:
     pauses: dict[str, Histogram] = field(default_factory=dict)
     """Training pauses (seconds), by the cause of the change."""
     worker_failures: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    """Restarts of every worker (the fallback of in-process changes), by cause."""
     corrupt: int = 0
     """Records of the history that could not be read at the last read (reported, skipped)."""
 
@@ -79,6 +83,9 @@ class RunTotals:
                     self.formation.observe(took)
             elif kind == "worker_failed":
                 self.worker_failures += 1
+            elif kind == "restart_fallback":
+                cause = _label(fields.get("cause"), FALLBACK_CAUSES)
+                self.fallbacks[cause] = self.fallbacks.get(cause, 0) + 1
             if kind in PAUSE_KINDS and _is_seconds(fields.get("pause_s")):
                 cause = _label(fields.get("cause", kind), PAUSE_CAUSES)
                 pauses = self.pauses.get(cause)
@@ -215,6 +222,9 @@ def _run_families(core: Any, runs: list[tuple[str, "RunStatus", RunTotals]]) -> 
                                       labels=["run", "kind"])
     failures = core.CounterMetricFamily("rdzv_run_worker_failures", "Workers that failed",
                                         labels=["run"])
+    fallbacks = core.CounterMetricFamily(
+        "rdzv_run_restart_fallbacks", "Rounds that restarted every worker instead of changing "
+        "in-process, by cause", labels=["run", "cause"])
     corrupt = core.GaugeMetricFamily(
         "rdzv_run_history_corrupt_records", "Records of the history that cannot be read (skipped)",
         labels=["run"])
@@ -236,11 +246,13 @@ def _run_families(core: Any, runs: list[tuple[str, "RunStatus", RunTotals]]) -> 
         for kind, count in sorted(totals.events.items()):
             events.add_metric([run_id, kind], count)
         failures.add_metric([run_id], totals.worker_failures)
+        for cause, count in sorted(totals.fallbacks.items()):
+            fallbacks.add_metric([run_id, cause], count)
         corrupt.add_metric([run_id], totals.corrupt)
         formation.append(([run_id], totals.formation.snapshot()))
         pauses.extend(([run_id, cause], h.snapshot()) for cause, h in sorted(totals.pauses.items()))
     yield from gauges.values()
-    yield from (rounds, events, failures, corrupt)
+    yield from (rounds, events, failures, fallbacks, corrupt)
     yield _histogram(core, "rdzv_run_round_formation_seconds",
                      "Seconds each round took to form", formation, ["run"])
     yield _histogram(core, "rdzv_run_training_pause_seconds",

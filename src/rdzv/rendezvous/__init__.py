@@ -24,6 +24,7 @@ from ._api import (
 from ._history import (
     DEFAULT_HISTORY_SIZE,
     EVENT_KINDS,
+    RESTART_CAUSES,
     EventLog,
     EventWriter,
     RunEvent,
@@ -44,6 +45,7 @@ from ._registry import (
 __all__ = [
     "DEFAULT_HISTORY_SIZE",
     "ENTRY_POINT_GROUP",
+    "RESTART_CAUSES",
     "EVENT_KINDS",
     "EventLog",
     "EventWriter",

@@ -57,11 +57,17 @@ EVENT_KINDS = (
     "workers_started",
     "worker_failed",
     "workers_restarted",
+    "restart_fallback",
     "switched_in_process",
     "recovered_in_process",
     "training_paused",
     "run_closed",
 )
+RESTART_CAUSES = ("worker_failed", "enter_timeout", "connect_timeout", "not_inprocess")
+"""Why a round restarts every worker (``restart_fallback``, the only fallback of in-process
+changes): a worker failed outside the in-process API; the workers did not enter the new group,
+or did not connect to their agent, in time; a node's workers do not use the API (or
+``--restart-on-change``)."""
 LEAVE_REASONS = ("graceful_leave", "connection_lost", "heartbeat_missed", "closed", "lost")
 """Why a member of the previous round is not in a new one; ``lost``: gone, cause unknown."""
 

@@ -86,8 +86,13 @@ _TEXT: dict[str, Callable[[RunEvent], str]] = {
                                   f"restarts {e.fields.get('restarts', 0)})"),
     "worker_failed": _worker_failed,
     "workers_restarted": lambda e: (f"{short_node(e.node)} restarting its workers (restart "
-                                    f"{e.fields.get('restarts', '?')} of "
-                                    f"{e.fields.get('max_restarts', '?')})"),
+                                    f"{e.fields.get('restarts', '?')})"
+                                    + (f": {e.fields['reason']}" if e.fields.get("reason")
+                                       else "")),
+    "restart_fallback": lambda e: (f"every worker restarts (the fallback, decided by "
+                                   f"{short_node(e.node)}): {_reason(e.fields.get('cause', '?'))}"
+                                   + (f": {e.fields['reason']}" if e.fields.get("reason")
+                                      else "")),
     "switched_in_process": _switch("switched in-process"),
     "recovered_in_process": _switch("recovered in-process"),
     "training_paused": lambda e: (f"{short_node(e.node)} training paused "

@@ -11,16 +11,18 @@ Only this package imports torch (``pip install rdzv[torch]``); the rest of rdzv 
 See ``docs/torch.md``.
 """
 
-from ._plugin import torchrun_handler_creator  # first: torch may load it while we import torch
+from ._elastic import ElasticState
+from ._group import SwitchError
 from ._handler import (
     TORCHRUN_BACKENDS,
     TorchRendezvousHandler,
     create_torch_handler,
     register_torch_backends,
 )
-from ._elastic import ElasticState
-from ._group import SwitchError
 from ._init import destroy_process_group, init_process_group
+from ._plugin import (
+    torchrun_handler_creator,  # first: torch may load it while we import torch
+)
 from ._store import TorchStore
 
 __all__ = [

@@ -25,7 +25,6 @@ the same script then resumes from its checkpoint.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Callable, Iterator, TypeVar
 

@@ -24,7 +24,18 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .._channel import ENV_CHANNEL, ENV_JOIN, ChannelClient
-from .._messages import Abort, Broken, Closed, Left, Plan, PlanKind, Progress, Query, Stop, Term
+from .._messages import (
+    Abort,
+    Broken,
+    Closed,
+    Left,
+    Plan,
+    PlanKind,
+    Progress,
+    Query,
+    Stop,
+    Term,
+)
 from ..errors import RendezvousError, RendezvousParameterError
 from ._abort import GroupSockets
 

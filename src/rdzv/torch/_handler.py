@@ -21,7 +21,12 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 
 from .. import errors
 from ..agent._round import ALIVE_DIR, wait_until_others_left
-from ..rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters, get_rendezvous_handler
+from ..rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    get_rendezvous_handler,
+)
 from . import _plugin
 from ._store import TorchStore
 

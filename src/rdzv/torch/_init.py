@@ -9,9 +9,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._channel import ENV_JOIN
 from ..errors import RendezvousParameterError
 from ..store import Store
-from .._channel import ENV_JOIN
 from ._group import group_options, group_sockets, join_running_group
 from ._store import TorchStore
 

@@ -26,7 +26,15 @@ from typing import ContextManager, Sequence, cast
 import torch.distributed as dist
 
 from ..store import Store, StoreCapabilities, _queue
-from ..store._base import Conditions, Reads, Timeout, Value, check_key, to_bytes, to_seconds
+from ..store._base import (
+    Conditions,
+    Reads,
+    Timeout,
+    Value,
+    check_key,
+    to_bytes,
+    to_seconds,
+)
 from ._errors import torch_errors
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,116 @@
+"""A node's workers as its executor sees them: their processes (started together, one replaced
+after a crash, stopped together), and the channel they speak on, whose messages are the
+protocol's events only while the workers that sent them are the node's current ones."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._channel import ChannelServer
+from .._messages import Abort, Entered, Plan, PlanKind, Stop
+from ._protocol import FromWorker
+from ._records import Assignment
+from ._workers import WorkerExited, WorkerGroup
+
+if TYPE_CHECKING:
+    from ._agent import ElasticAgent
+
+
+@dataclass(frozen=True)
+class Said:
+    """Event: a worker's message, on the channel connection of ``epoch`` (a message of a
+    worker stopped since, on a connection forgotten since, is dropped)."""
+
+    epoch: int
+    local_rank: int
+    message: Any
+
+
+class Crew:
+    """This node's worker processes and the channel to them."""
+
+    def __init__(self, agent: "ElasticAgent") -> None:
+        self._agent = agent
+        self._epoch = 0
+        self._incarnation = 0
+        """Tags the exits of each worker group started (a stopped group's are dropped)."""
+        self.group: WorkerGroup | None = None
+        self._entered_ms: dict[int, float] = {}
+        self._link = ChannelServer(lambda lr, message: agent.events.put(
+            Said(self._epoch, lr, message)))
+        agent.channel_path = self._link.path
+
+    # -- what they say, how they end ------------------------------------------------------------
+    def said(self, event: Said) -> FromWorker | None:
+        """The protocol's event for a worker's message (None: a stopped worker's)."""
+        if event.epoch != self._epoch:
+            return None
+        if isinstance(event.message, Entered):
+            self._entered_ms[event.local_rank] = event.message.ms
+        return FromWorker(event.local_rank, event.message)
+
+    def current(self, event: WorkerExited) -> bool:
+        """Whether ``event`` is the exit of one of the current workers."""
+        return self.group is not None and event.generation == self.group.generation
+
+    def pause_ms(self, local_ranks: tuple[int, ...]) -> float:
+        """The longest pause the workers reported entering their last group."""
+        return max((self._entered_ms.get(lr, 0.0) for lr in local_ranks), default=0.0)
+
+    # -- processes ------------------------------------------------------------------------------
+    def start(self, assignment: Assignment | None, restarts: int, stop_timeout: float) -> None:
+        """Start every worker anew (the previous ones stopped first): with ``assignment``'s
+        ranks, or (None) to join a running group in-process."""
+        if self.group is not None:
+            self.stop(signal.SIGTERM, stop_timeout)
+        self._incarnation += 1
+        self.group = self._agent.new_group(self._incarnation)
+        self._forget()
+        self._agent.start_workers(self.group, list(range(self._agent.config.nproc_per_node)),
+                                  assignment, restarts)
+
+    def replace(self, local_rank: int, restarts: int) -> None:
+        """Start one worker again (its process died), to join the running group."""
+        assert self.group is not None
+        self._agent.start_workers(self.group, [local_rank], None, restarts)
+
+    def stop(self, signum: int, timeout: float) -> None:
+        """Stop every worker: API workers hear it on the channel first (a SIGTERM alone is
+        their node's notice to leave), then the signal, then SIGKILL after ``timeout``."""
+        if self.group is None:
+            return
+        for lr in self._link.connected():
+            self._link.send(lr, Stop())
+        self._forget()  # what they say from now on is no news
+        self.group.stop(signum, timeout)
+        self.group = None
+
+    def renumber(self, assignment: Assignment) -> None:
+        """The workers run on in-process in a new group: their ranks in the log lines."""
+        if self.group is not None:
+            self.group.renumber({lr: assignment.global_rank(lr)
+                                 for lr in assignment.local_ranks})
+
+    def _forget(self) -> None:
+        self._epoch += 1
+        self._link.forget()
+
+    # -- messages -------------------------------------------------------------------------------
+    def abort(self) -> None:
+        for lr in self._link.connected():
+            self._link.send(lr, Abort())
+
+    def send_plans(self, plans: list[tuple[int, Plan]]) -> None:
+        self._entered_ms.clear()
+        for lr, plan in plans:
+            self._link.send(lr, plan)
+
+    def send_leave(self, gen: int, step: int) -> None:
+        for lr in self._link.connected():
+            self._link.send(lr, Plan(round=gen, kind=PlanKind.LEAVE, step=step))
+
+    def close(self, stop_timeout: float) -> None:
+        self.stop(signal.SIGTERM, stop_timeout)
+        self._link.close()

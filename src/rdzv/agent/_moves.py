@@ -1,0 +1,151 @@
+"""The moves the rules of a node's protocol share (``_rules.py``, ``_worker_rules.py``): leave a
+round for the next (join, cancel before its decision, abandon after it), exit, fail, settle the
+record, run again, and the rules of a leave. Pure, as the rules."""
+
+from __future__ import annotations
+
+import math
+import signal as signals
+from dataclasses import replace
+from typing import Any
+
+from ._protocol import (
+    Act,
+    Leave,
+    Node,
+    Phase,
+    Result,
+    Rules,
+    Signalled,
+    Worker,
+    act,
+)
+from ._records import SlotState
+
+EXIT_BARRIER_TIMEOUT = 300.0
+"""Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
+TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
+
+
+def settled(node: Node) -> bool:
+    """Whether this node's record can be final: no worker it waits for is still starting."""
+    return all(s.report(node.inprocess) is not SlotState.STARTING for s in node.slots)
+
+
+def with_slot(node: Node, local_rank: int, **changes: Any) -> Node:
+    slots = list(node.slots)
+    slots[local_rank] = replace(slots[local_rank], **changes)
+    return replace(node, slots=tuple(slots))
+
+
+def say(text: str) -> Act:
+    return act("say", text)
+
+
+def join(node: Node, *before: Act) -> Result:
+    """Leave round ``gen`` for the next one (the workers go on training, or wait broken)."""
+    return (replace(node, phase=Phase.FORMING, decision=None, hint=None, hint_written=False,
+                    record_final=False, deadline=math.inf), [*before, act("join")])
+
+
+def aborted(node: Node) -> Node:
+    """The workers' group is being aborted: those in it report broken (at their last step)."""
+    return replace(node, slots=tuple(
+        replace(s, state=Worker.BROKEN) if s.state in (Worker.RUNNING, Worker.ENTERED) else s
+        for s in node.slots))
+
+
+def abandon(node: Node, why: str) -> Result:
+    """Leave a decided round whose group cannot form: abort the workers' group, mark the round
+    abandoned (the others see it at once) and join the next round, as a recovery."""
+    return join(aborted(node), say(f"{why}: aborting the workers' group and forming the "
+                                      "next round"), act("abort"), act("abandon"))
+
+
+def cancel(node: Node, why: str) -> Result:
+    """Before the decision: cancel the round (a fenced write; a decision written first wins)."""
+    return node, [say(f"{why}: cancelling this round's transition"), act("cancel")]
+
+
+def exit_with(node: Node, code: int, *before: Act) -> Result:
+    return replace(node, phase=Phase.EXITED), [*before, act("exit", code)]
+
+
+def fail(node: Node, why: str) -> Result:
+    """Give up: the run fails (summary, rendezvous closed), exit 1."""
+    return exit_with(node, 1, act("stop", signals.SIGTERM), act("fail", why))
+
+
+def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
+    """The workers run in round ``gen``: take up what waited for the transition's end."""
+    node = replace(node, phase=Phase.RUNNING, deadline=math.inf, record_final=False)
+    if node.leave is not None and not node.leave.announced:
+        moved, more = signalled(node, Signalled(node.leave.signum), now, rules, pending=True)
+        return moved, acts + more
+    if any(s.state is Worker.FRESH for s in node.slots):
+        return join(node, *acts, say("a restarted worker is warm: bringing it into the group"))
+    return node, acts + [act("watch", node.gen)]
+
+
+def after_failure(node: Node, why: str, now: float, rules: Rules) -> Result:
+    """A worker failed outside the in-process API: every worker restarts in the next round."""
+    node = replace(node, restart_why=node.restart_why or why, failures=node.failures + (why,),
+                   restart_cause=node.restart_cause or "worker_failed")
+    told = say(f"{why}: the workers restart in the next round")
+    if node.phase is Phase.RUNNING:
+        return join(node, told)
+    if node.phase is Phase.AWAITING and node.decision is None:
+        moved, acts = cancel(node, why)
+        return moved, [told, *acts]
+    if node.phase is Phase.ENTERING or (node.phase is Phase.AWAITING and node.decision):
+        return abandon(node, why)
+    return node, [told]  # forming or settling: the record says so
+
+
+def settle(node: Node, acts: list[Act]) -> Result:
+    """Write the record; final (and on to AWAITING) once the workers are settled."""
+    if not settled(node):
+        return node, acts + [act("record")]
+    return replace(node, phase=Phase.AWAITING, record_final=True), acts + [act("record")]
+
+
+def stop_now(node: Node, signum: int, why: str) -> Result:
+    name = signals.Signals(signum).name
+    if why:
+        text = f"{name} received{why}; stopping now"
+    elif node.phase is Phase.FORMING and not node.live:
+        text = f"{name} received while waiting for nodes: leaving the rendezvous"
+    else:
+        text = f"{name} received: stopping the workers and leaving the rendezvous"
+    return exit_with(node, 128 + signum, say(text), act("stop", signum))
+
+
+def signalled(node: Node, event: Signalled, now: float, rules: Rules,
+               pending: bool = False) -> Result:
+    signum = event.signum
+    if node.leave is not None and node.leave.by_worker and not pending and \
+            signum == node.leave.signum:
+        return replace(node, leave=replace(node.leave, by_worker=False)), []  # the same notice
+    if (node.leave is not None and not pending) or signum == signals.SIGHUP:
+        return stop_now(node, signum, "")
+    if node.phase is Phase.FINISHED or not node.live:
+        return stop_now(node, signum, "")
+    if node.phase is not Phase.RUNNING:  # leave once the transition is over
+        return replace(node, leave=Leave(signum, now + rules.leave_grace)), [say(
+            f"{signals.Signals(signum).name} received during a transition: this node leaves "
+            "once it is over")]
+    if node.nodes < 2:
+        return stop_now(node, signum, " (this node is alone in its round)")
+    if node.nodes - 1 < rules.min_nodes:
+        return stop_now(node, signum, f": the other nodes cannot go on without this one (min "
+                                       f"nodes {rules.min_nodes})")
+    if rules.hosts_store:
+        return stop_now(node, signum, ": this node serves the rendezvous store, which the "
+                                       "others need: it cannot leave gracefully (run `rdzv "
+                                       "serve` apart)")
+    deadline = node.leave.deadline if node.leave is not None else now + rules.leave_grace
+    name = signals.Signals(signum).name
+    return replace(node, leave=Leave(signum, deadline, announced=True)), [
+        say(f"{name} received: leaving the job (grace {rules.leave_grace:g} s); the other "
+             f"nodes form the next round without this node while its workers keep training "
+             f"({name} again stops it at once)"), act("announce")]

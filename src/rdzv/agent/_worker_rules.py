@@ -1,0 +1,185 @@
+"""The rules of what a node's workers do (``_protocol.py``): what they say on the channel,
+their exits (a crash restarts the worker alone; an error restarts every worker, the only
+fallback), and the end of a graceful leave. Pure, as every rule."""
+
+from __future__ import annotations
+
+import signal as signals
+from dataclasses import replace
+
+from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Term
+from ._moves import (
+    EXIT_BARRIER_TIMEOUT,
+    TRANSITIONS,
+    abandon,
+    after_failure,
+    cancel,
+    exit_with,
+    fail,
+    join,
+    running,
+    say,
+    settle,
+    signalled,
+    stop_now,
+    with_slot,
+)
+from ._protocol import (
+    Act,
+    Exited,
+    FromWorker,
+    Group,
+    LeaveFailed,
+    NextSeen,
+    Node,
+    Phase,
+    Result,
+    Rules,
+    Signalled,
+    Worker,
+    act,
+)
+from ._records import Kind
+
+
+def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result:
+    lr, message = event.local_rank, event.message
+    if not 0 <= lr < len(node.slots):
+        return node, []
+    slot = node.slots[lr]
+    if isinstance(message, Hello):
+        return on_hello(with_slot(replace(node, inprocess=True), lr, state=Worker.FRESH if (
+            slot.join or message.fresh) else Worker.RUNNING, step=None), lr, now, rules)
+    if isinstance(message, Progress):
+        return with_slot(node, lr, step=message.step, step_time=message.step_time, sampled=now), []
+    if isinstance(message, Broken):
+        node = with_slot(node, lr, state=Worker.FRESH if message.fresh else Worker.BROKEN,
+                     step=None if message.fresh else message.step)
+        if node.leave is not None and node.leave.announced:
+            return exit_with(node, 0, say("leaving: the workers' group failed while the node was "
+                                       "leaving; exiting"), act("stop", signals.SIGTERM))
+        if node.phase is Phase.RUNNING:
+            return join(node, say("a worker's process group failed (a peer is gone): "
+                                    "forming the next round; the workers stay up"))
+        if node.phase is Phase.ENTERING and message.round == node.gen:
+            return abandon(node, "a worker's new group failed while it entered")
+        return node, []  # its old group failed: it enters the planned one at once
+    if isinstance(message, Entered):
+        return on_entered(node, lr, message, now, rules)
+    if isinstance(message, Left):
+        node = with_slot(node, lr, state=Worker.LEFT, step=message.step)
+        if not node.live:
+            return exit_with(node, 0, say(f"leaving: the other nodes formed the next round without "
+                                       f"this node; its workers left at step {message.step}; "
+                                       "exiting"))
+        return node, []
+    if isinstance(message, Failed):
+        return after_failure(node, f"a worker cannot follow the plan: {message.error}", now,
+                              rules)
+    if isinstance(message, Term):
+        if node.leave is not None:
+            return node, []  # the agent got it too (Slurm signals every process)
+        moved, acts = signalled(node, Signalled(signals.SIGTERM), now, rules)
+        if moved.leave is not None:
+            moved = replace(moved, leave=replace(moved.leave, by_worker=True))
+        return moved, acts
+    return node, []  # Closed: its exit follows
+
+
+def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
+    acts: list[Act] = []
+    if node.coordinator and not node.hint_written and node.phase in TRANSITIONS:
+        node = replace(node, hint_written=True)
+        acts.append(act("hint", not rules.restart_on_change))
+    if node.phase is Phase.SETTLING and not node.record_final:
+        return settle(node, acts)
+    if node.phase is Phase.RUNNING and node.slots[lr].state is Worker.FRESH:
+        return join(node, *acts, say("a restarted worker is warm: bringing it into the "
+                                       "group"))
+    return node, acts
+
+
+def on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules) -> Result:
+    if node.phase is not Phase.ENTERING or message.round != node.gen:
+        return node, []
+    node = with_slot(node, lr, state=Worker.ENTERED, step=message.step, sampled=now)
+    mine = node.assignment
+    decision = node.decision
+    assert mine is not None and decision is not None
+    if any(node.slots[r].state is not Worker.ENTERED for r in mine.local_ranks):
+        return node, []
+    slots = tuple(replace(s, state=Worker.RUNNING) if s.state is Worker.ENTERED else s
+                  for s in node.slots)
+    node = replace(node, slots=slots, group=Group(decision.prefix, mine.rank_offset,
+                                                  decision.world_size, mine.local_ranks))
+    pause = (now - node.entering_since) if decision.kind is Kind.RECOVER else None
+    return running(node, [act("adopt", node.joining, pause)], now, rules)
+
+
+def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
+    lr = event.local_rank
+    if not 0 <= lr < len(node.slots) or node.slots[lr].state in (Worker.DONE, Worker.LEFT,
+                                                                  Worker.GONE):
+        return node, []
+    leaving = node.leave is not None and node.leave.announced
+    if event.code == 0:
+        node = with_slot(node, lr, state=Worker.LEFT if leaving else Worker.DONE)
+        if node.live:
+            return node, []
+        if leaving:
+            return exit_with(node, 0, say("leaving: the workers left; exiting"))
+        return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
+            say(f"all {len(node.slots)} worker(s) of this node succeeded; waiting for the "
+                 "other nodes to finish"), act("done")]
+    node = with_slot(node, lr, state=Worker.GONE)
+    how = (f"signal {signals.Signals(-event.code).name}" if event.code < 0 and
+           -event.code in signals.valid_signals() else f"exit code {event.code}")
+    who = f"local rank {lr} ended with {how}" + (f" ({event.error})" if event.error else "")
+    if leaving:
+        return exit_with(node, 0, say(f"leaving: {who} while the node was leaving; exiting"),
+                     act("stop", signals.SIGTERM))
+    if node.restarts >= rules.max_restarts:
+        return fail(node, f"workers failed after {node.restarts} restart(s) (--max-restarts "
+                           f"{rules.max_restarts})")
+    if event.code > 0 or not node.inprocess or rules.restart_on_change:
+        return after_failure(node, who, now, rules)
+    restarts = node.restarts + 1
+    node = with_slot(replace(node, restarts=restarts, failures=node.failures + (who,)), lr,
+                 state=Worker.STARTING, step=None, join=True)
+    acts = [say(f"{who}: restarting it alone (restart {restarts} of {rules.max_restarts}); "
+                 "it joins once warm"), act("replace", lr),
+            act("event", "workers_restarted", {"restarts": restarts, "reason": who,
+                                               "alone": True})]
+    if node.phase is Phase.RUNNING:
+        return join(node, *acts)
+    if node.phase is Phase.AWAITING and node.decision is None:
+        moved, more = cancel(node, "a worker crashed after this node's record")
+        return moved, acts + more
+    if node.phase is Phase.ENTERING or (node.phase is Phase.AWAITING and node.decision):
+        moved, more = abandon(node, "a worker crashed while the group formed")
+        return moved, acts + more
+    if node.phase is Phase.SETTLING:
+        moved, more = settle(node, [])
+        return moved, acts + more
+    return node, acts
+
+
+# -- leaving --
+def on_leave_failed(node: Node, event: LeaveFailed, now: float, rules: Rules) -> Result:
+    signum = node.leave.signum if node.leave is not None else signals.SIGTERM
+    return stop_now(node, signum, f", but {event.why}")
+
+
+def on_next(node: Node, event: NextSeen, now: float, rules: Rules) -> Result:
+    if node.leave is None or not node.leave.announced:
+        return node, []
+    decision = event.decision
+    if decision is None:
+        return exit_with(node, 0, say("leaving: the grace period ended before the workers left; "
+                                   "stopping them"), act("stop", node.leave.signum))
+    if decision.kind is Kind.SWITCH and decision.step is not None and node.inprocess:
+        return replace(node, leave=replace(node.leave, step=decision.step)), [
+            say(f"leaving: the other nodes formed the next round without this node; its "
+                 f"workers stop at step {decision.step}"), act("leave_plans", decision.step)]
+    return exit_with(node, 0, say("leaving: the other nodes formed the next round without this "
+                               "node; exiting"), act("stop", node.leave.signum))
