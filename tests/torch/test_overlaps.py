@@ -129,3 +129,28 @@ def test_parameters_that_differ_at_a_change_are_brought_into_agreement(
     assert ("3", "identical") in checks and ("3", "DIFFERENT") not in checks, outputs
     assert re.search(r"ranks \[\d\] held other parameters than rank \d at step \d+: they "
                      r"receive its state", outputs), outputs
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_an_agent_and_its_workers_at_once_is_a_graceful_leave(
+        launcher: Launcher, tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    args = agent_args(tmp_path, serve(launcher), example(tmp_path, 300))
+    a, b, c = (launcher.start(args) for _ in range(3))
+    wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
+             "20 steps at world size 3")
+    before = len(progress(log))
+    for pid in (worker_pid(c.pid), c.pid):  # as Slurm's scancel does: every process
+        os.kill(pid, signal.SIGTERM)
+    assert c.wait(PHASE_TIMEOUT) == 0, c.output()[-6000:]
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in (a, b)]
+    outputs = "".join(node.output()[-6000:] for node in (a, b, c))
+    assert codes == [0, 0], outputs
+    assert re.search(r"its workers left at step \d+; exiting", c.output()), c.output()
+    entries = progress(log)[before:]
+    assert entries[-1]["step"] == 300 and phases(entries)[-1] == 2, phases(entries)
+    steps = [e["step"] for e in progress(log)]
+    assert steps == list(range(steps[0], 301)), "steps redone or skipped"
+    assert longest_pause(entries) < 1.0, outputs
+    for node in (a, b):
+        assert started_once(node) and "restarting the workers" not in node.output(), outputs

@@ -122,7 +122,8 @@ class Kind(enum.Enum):
     SWITCH = "switch"
     """A planned change: the running workers move to the new group at step ``step``."""
     RECOVER = "recover"
-    """The group is broken: every worker moves to the new group now and adopts ``source``'s state."""
+    """The group is broken: every worker moves to the new group now, adopting ``source``'s
+    state."""
     STAY = "stay"
     """The running group is the round's group: nothing changes for the workers."""
     CANCEL = "cancel"

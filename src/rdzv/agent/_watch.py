@@ -66,8 +66,8 @@ class Watcher:
         self._stopped.set()
 
 
-def watch_membership(handler: RendezvousHandler, store: Store, gen: int, post: Callable[[Any], None],
-                     heartbeat: Callable[[], None], every: float,
+def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
+                     post: Callable[[Any], None], heartbeat: Callable[[], None], every: float,
                      wait_slice: float) -> Callable[[threading.Event], None]:
     """A watcher body posting :class:`Changed` each time round ``gen``'s membership differs
     from what it last posted (edge-triggered), and refreshing this node's sign of life every

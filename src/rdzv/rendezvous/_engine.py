@@ -220,50 +220,46 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def wait_for_membership_change(self, timeout: float) -> bool:
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
-        member = self._member
-        if member is None:
-            raise RendezvousError(
-                "wait_for_membership_change() needs a completed round: call next_rendezvous() first"
-            )
-        self.history.release()  # the round is formed: this node's deferred events can go now
         deadline = time.monotonic() + timeout
-        path = self._keys.round(member.round + 1)
-        while True:
-            view, since = membership_view(self._store, self._keys, self._rules, member, path)
-            if view.changed:
-                return True
+        view, since = self._view(self._store, 0, 0.0, "wait_for_membership_change()")
+        while not view.changed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._watch(path, since, remaining)
+            view, since = self._view(self._store, since, remaining,
+                                     "wait_for_membership_change()")
+        return True
 
     def membership(self, since: int = 0, timeout: float = 0.0) -> tuple[MembershipView, int]:
         """This member's round as seen now, and the revision to pass as ``since`` next time:
         with ``since``, first waits (at most ``timeout`` s, one store timeout) until something
         changed after it. Through the second client, so that a watcher never holds up the
         round's own calls (or ``next_rendezvous``)."""
+        return self._view(self._query(always=True), since, timeout, "membership()")
+
+    def _view(self, store: Store, since: int, seconds: float,
+              caller: str) -> tuple[MembershipView, int]:
         member = self._member
         if member is None:
-            raise RendezvousError("membership() needs a completed round: call "
-                                  "next_rendezvous() first")
-        self.history.release()
-        store = self._query(always=True)
+            raise RendezvousError(f"{caller} needs a completed round: call next_rendezvous() "
+                                  "first")
+        self.history.release()  # the round is formed: this node's deferred events can go now
         path = self._keys.round(member.round + 1)
         if since:
-            store.watch(path, since, self._wait_seconds(timeout))
+            store.watch(path, since, self._wait_seconds(seconds))
         return membership_view(store, self._keys, self._rules, member, path)
 
-    def round_store(self, client: Store | None = None) -> Store:
-        """The store of this node's current round, as ``next_rendezvous`` returned it, through
-        ``client`` (one from :meth:`open_client`), or this node's own when None."""
+    def round_store(self, client: Store) -> Store:
+        """The store of this node's current round (as ``next_rendezvous`` returned it) through
+        ``client``, a client from :meth:`open_client`."""
         member = self._member
         if member is None:
             raise RendezvousError("round_store() needs a completed round")
-        return PrefixStore(self._keys.user(member.round), client or self._store)
+        return PrefixStore(self._keys.user(member.round), client)
 
     def open_client(self) -> Store | None:
-        """A new client of the run's store for a caller that blocks on it (the caller closes
-        it), or None when this node's client serves concurrent calls (etcd, file)."""
+        """A new client of the run's store for a caller that blocks on it (it closes it), or
+        None when this node's client serves concurrent calls (etcd, file)."""
         return self._open_query_store() if self._open_query_store is not None else None
 
     def announce_leaving(self) -> bool:
