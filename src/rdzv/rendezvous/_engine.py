@@ -36,7 +36,6 @@ from ._decisions import (
     decide,
     is_spare,
     join_deadline,
-    nodes_waiting,
 )
 from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent
 from ._history_facts import encode_left_mark
@@ -52,7 +51,7 @@ from ._layout import (
 )
 from ._node import KeyLedger, PortReservation, new_node_id
 from ._sealer import Sealer
-from ._views import Membership, membership_change, observe_round
+from ._views import Membership, RoundChanges, membership_change, observe_changes, observe_round
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +180,32 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store, member = self._query(), self._member
         if member is None:
             return store.count_keys(self._keys.nodes(self._latest_sealed(store) + 1))
-        keys, next_round = self._keys, member.round + 1
-        reads = store.read_many([], [keys.nodes(next_round), keys.back_dir(next_round)])
-        return nodes_waiting(reads.counts[keys.nodes(next_round)],
-                             reads.counts[keys.back_dir(next_round)], member.world_size,
-                             self._rules.max_nodes)
+        return observe_changes(store, self._keys, self._rules, member).waiting
+
+    def round_changes(self) -> RoundChanges:
+        """This member's round as seen now, in one read: the nodes waiting (what
+        :meth:`num_nodes_waiting` reports) and the members lost or left, for an agent that
+        re-forms its group only when told to (torch's, see ``rdzv.torch``).
+
+        Meant for a member between rounds (its workers run): it reads through this node's own
+        store session. If that session expired meanwhile (the node was paused past its session
+        ttl, and the others took it for gone), the node forgets it as :meth:`next_rendezvous`
+        does: it joins its next round as a new node, and counts itself lost here. A node that
+        is no member (no round yet) has no members to lose: only the nodes waiting count.
+
+        Raises:
+            RendezvousError: the store failed.
+        """
+        member = self._member
+        if member is None:
+            return RoundChanges(waiting=self.num_nodes_waiting(), lost=0)
+        self.history.release()  # a monitoring call: this node's deferred events can go now
+        try:
+            return observe_changes(self._store, self._keys, self._rules, member)
+        except SessionExpiredError as exc:
+            with self._lock:
+                self._forget_session(exc)
+            return RoundChanges(waiting=0, lost=1)
 
     def is_spare(self) -> bool:
         return self._spare

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..store import Store
-from ._decisions import RoundRules, RoundView, membership_changed
+from ._decisions import RoundRules, RoundView, members_lost, membership_changed, nodes_waiting
 from ._layout import RunKeys, decode_int, decode_status
 
 
@@ -20,6 +20,31 @@ class Membership:
     rank: int
     world_size: int
     rejoined: bool
+
+
+@dataclass(frozen=True)
+class RoundChanges:
+    """What a member sees of its round's membership, read at once."""
+
+    waiting: int
+    """Joiners of the next round that would change this one (``num_nodes_waiting()``)."""
+    lost: int
+    """Members of this round no longer alive (died, hung past their session ttl, or left)."""
+
+
+def observe_changes(
+    store: Store, keys: RunKeys, rules: RoundRules, member: Membership
+) -> RoundChanges:
+    """The nodes waiting and the members lost of ``member``'s round, from one
+    :meth:`Store.read_many`: the joiners, the members coming back and the members alive, all
+    counted in the next round."""
+    next_round = member.round + 1
+    nodes, back_dir, expect_dir = (keys.nodes(next_round), keys.back_dir(next_round),
+                                   keys.expect_dir(next_round))
+    counts = store.read_many([], [nodes, back_dir, expect_dir]).counts
+    alive = counts[expect_dir]
+    return RoundChanges(nodes_waiting(counts[nodes], counts[back_dir], alive, rules.max_nodes),
+                        members_lost(alive, member.world_size))
 
 
 def observe_round(store: Store, keys: RunKeys, rules: RoundRules, r: int) -> tuple[RoundView, int]:
