@@ -15,13 +15,14 @@ errors to torch's classes of the same names.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, cast
 
 from torch.distributed.elastic.rendezvous import api as torch_api
 
 from .. import errors
 from ..agent._round import ALIVE_DIR, wait_until_others_left
-from ..rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters, get_rendezvous_handler
+from ..rendezvous import RendezvousInfo, RendezvousParameters, get_rendezvous_handler
+from ..rendezvous._engine import DynamicRendezvousHandler
 from . import _plugin
 from ._store import TorchStore
 
@@ -99,13 +100,13 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
     ``LEAVE_TIMEOUT``) until the other nodes' sessions have ended.
     """
 
-    def __init__(self, handler: RendezvousHandler, backend: str) -> None:
+    def __init__(self, handler: DynamicRendezvousHandler, backend: str) -> None:
         self._handler = handler
         self._backend = backend
         self._round: RendezvousInfo | None = None
 
     @property
-    def rdzv_handler(self) -> RendezvousHandler:
+    def rdzv_handler(self) -> DynamicRendezvousHandler:
         """The rdzv handler this bridge forwards to."""
         return self._handler
 
@@ -142,7 +143,17 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
         self._call(self._handler.set_closed)
 
     def num_nodes_waiting(self) -> int:
-        return self._call(self._handler.num_nodes_waiting)
+        """The nodes waiting to join, plus the members of this node's round that are lost.
+
+        torch's agent re-forms its group only when this is positive (or when a worker fails);
+        it does not watch for lost members. A member lost after the round formed but before its
+        workers joined the workers' process group fails no one: the other workers wait for it
+        in ``init_process_group`` until its timeout (10 minutes by default), so the loss must
+        count here. This node's own loss counts too (its store session expired while it was
+        paused: the others dropped it, and it joins again as a new node).
+        """
+        changes = self._call(self._handler.round_changes)
+        return changes.waiting + changes.lost
 
     def get_run_id(self) -> str:
         return self._handler.get_run_id()
@@ -165,7 +176,8 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
 
 def create_torch_handler(params: torch_api.RendezvousParameters) -> TorchRendezvousHandler:
     """The torch handler of an ``rdzv-*`` backend for torch's ``params``."""
-    handler = get_rendezvous_handler(rdzv_parameters(params))
+    # tcp, file and etcd (TORCHRUN_BACKENDS) are all the dynamic engine's backends
+    handler = cast(DynamicRendezvousHandler, get_rendezvous_handler(rdzv_parameters(params)))
     logger.info("torchrun rendezvous on rdzv backend %s (run %s)", params.backend, params.run_id)
     return TorchRendezvousHandler(handler, params.backend)
 
