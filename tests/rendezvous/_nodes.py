@@ -4,7 +4,7 @@ Both kinds answer the same requests, started with ``request(op, *args)`` (return
 :class:`Pending`) or ``call(op, *args)`` (waits for the result):
 
 ``next`` (``next_rendezvous_async()`` and its result: ``{"rank", "world_size", "addr", "port"}``),
-``waiting``, ``wait_change(timeout)``, ``is_closed``, ``set_closed``, ``shutdown``,
+``waiting``, ``changes`` (``round_changes()`` as ``[waiting, lost]``), ``wait_change(timeout)``, ``is_closed``, ``set_closed``, ``shutdown``,
 ``store_set(key, value)`` and ``store_get(key)`` (on the last round's store; missing: None).
 
 A failed call raises :class:`NodeError` with the exception's type name. Run as
@@ -56,6 +56,9 @@ class Runtime:
                     "addr": boot.master_addr, "port": boot.master_port}
         if op == "waiting":
             return h.num_nodes_waiting()
+        if op == "changes":
+            changes = h.round_changes()
+            return [changes.waiting, changes.lost]
         if op == "wait_change":
             return h.wait_for_membership_change(*args)
         if op in ("is_closed", "set_closed", "shutdown", "get_backend"):

@@ -168,6 +168,22 @@ class RendezvousContract:
         kept = {r["rank"] for r in first[:2]} & {0, 1}
         assert {r["rank"] for r in second} >= kept, "survivors with rank < 2 keep their rank"
 
+    def test_a_lost_member_frees_its_place_for_the_node_waiting(self, cluster):
+        """A full round (max_nodes members) ignores the spare waiting; once a member is gone
+        the spare is no longer one: members count it and the lost member (issue 22: torch's
+        agent re-forms only when num_nodes_waiting() is positive)."""
+        nodes = [cluster.node(1, 2, last_call_timeout=LONG) for _ in range(3)]
+        check_round(form(nodes[:2]), 2)
+        pending = nodes[2].request("next")
+        eventually(lambda: nodes[0].call("changes") == [0, 0] and pending.done() is False
+                   and nodes[2].call("waiting") == 1, AT_ONCE, "the spare waits, not counted")
+        nodes[1].call("shutdown")  # gone: a member lost or leaving, as the members see it
+        eventually(lambda: nodes[0].call("changes") == [1, 1], AT_ONCE,
+                   "the spare counted, and the member lost")
+        assert nodes[0].call("waiting") == 1
+        check_round([nodes[0].call("next"), pending.result(AT_ONCE)], 2)
+        assert nodes[0].call("changes") == [0, 0]
+
     def test_hung_node_is_dropped_after_its_heartbeat_ttl(self, cluster):
         if not cluster.processes or cluster.hung_options is None:
             pytest.skip("needs process nodes and a heartbeat ttl")

@@ -14,6 +14,7 @@ from rdzv.rendezvous._decisions import (
     is_spare,
     join_deadline,
     membership_changed,
+    members_lost,
     nodes_waiting,
     plan_ranks,
 )
@@ -144,11 +145,33 @@ def test_membership_changed(closed, waiting, rejoined, alive, world, newer, chan
 
 
 @pytest.mark.parametrize(
-    "waiting, rejoined, world, expected",
-    [(0, 0, 2, 0), (1, 0, 2, 1), (1, 0, 4, 0), (3, 1, 4, 1), (3, 1, 3, 3)],
+    "waiting, rejoined, alive, expected",
+    [
+        (0, 0, 2, 0),
+        (1, 0, 2, 1),   # a newcomer, and room for it (max 4)
+        (1, 0, 4, 0),   # a spare: max_nodes members alive
+        (3, 1, 4, 1),   # a member coming back counts; the spares still do not
+        (3, 1, 3, 3),
+        (1, 0, 3, 1),   # a round of 4 lost a member: the node waiting takes its place (issue 22)
+        (2, 0, 2, 2),   # ... two members lost, two nodes waiting
+        (0, 0, 3, 0),   # a member lost, nobody waiting: nothing to count here
+    ],
 )
-def test_nodes_waiting_leaves_out_the_spares(waiting, rejoined, world, expected):
-    assert nodes_waiting(waiting, rejoined, world, RULES.max_nodes) == expected
+def test_nodes_waiting_leaves_out_the_spares(waiting, rejoined, alive, expected):
+    assert nodes_waiting(waiting, rejoined, alive, RULES.max_nodes) == expected
+
+
+@pytest.mark.parametrize(
+    "alive, world, lost",
+    [
+        (2, 2, 0),
+        (1, 2, 1),   # a member died, hung past its ttl or left
+        (0, 2, 2),   # this node's own session expired too
+        (3, 2, 0),   # a late joiner of the round has not moved on yet
+    ],
+)
+def test_members_lost(alive, world, lost):
+    assert members_lost(alive, world) == lost
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,6 @@ from ._history import (
     RunEvent,
     read_events,
 )
-from ._timeline import format_event
-from ._views import MembershipView
 from ._registry import (
     ENTRY_POINT_GROUP,
     RendezvousHandlerCreator,
@@ -41,6 +39,8 @@ from ._registry import (
     parse_rendezvous_url,
     rendezvous_url,
 )
+from ._timeline import format_event
+from ._views import MembershipView, RoundChanges
 
 __all__ = [
     "DEFAULT_HISTORY_SIZE",
@@ -64,6 +64,7 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
+    "RoundChanges",
     "RunEvent",
     "format_event",
     "get_rendezvous_handler",

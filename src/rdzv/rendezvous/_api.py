@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Iterator
 from ..errors import RendezvousParameterError
 from ..store import Store
 from ._params import check_config, convert_value, option_value
-from ._views import MembershipView
+from ._views import MembershipView, RoundChanges
 
 _DEFAULT_POLL_INTERVAL = 1.0
 """Seconds between checks in the default :meth:`RendezvousHandler.wait_for_membership_change`."""
@@ -172,6 +172,11 @@ class RendezvousHandler(abc.ABC):
         its maximum size, and this node waits (without a deadline) to take the place of a
         member that leaves or is lost. False where the backend has no spares."""
         return False
+
+    def round_changes(self) -> RoundChanges:
+        """The nodes waiting to join and the members of this node's round that are lost, for
+        an agent that re-forms only when told to (torch's). This default knows no losses."""
+        return RoundChanges(waiting=self.num_nodes_waiting(), lost=0)
 
     def membership(self, since: int = 0,
                    timeout: float = 0.0) -> tuple[MembershipView, int] | None:

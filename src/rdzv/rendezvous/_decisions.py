@@ -180,11 +180,24 @@ def membership_changed(closed: bool, waiting: int, rejoined: int, alive_members:
     )
 
 
-def nodes_waiting(waiting: int, rejoined: int, world_size: int, max_nodes: int) -> int:
+def nodes_waiting(waiting: int, rejoined: int, alive_members: int, max_nodes: int) -> int:
     """What ``num_nodes_waiting()`` reports to a member: the joiners that would change its round
-    (members coming back, and newcomers while the round has room); spares do not count, as in
-    torch's c10d backend, whose agent restarts its workers whenever the count is positive."""
-    return rejoined + (waiting - rejoined if world_size < max_nodes else 0)
+    (members coming back, and newcomers while the round has room: fewer than ``max_nodes`` of
+    its members alive); spares do not count, as in torch's c10d backend, whose agent restarts
+    its workers whenever the count is positive.
+
+    Room is counted from the members alive, not from the round's size: a lost member's place is
+    free, and the node waiting for it is no spare (:func:`is_spare` sees the same count), as
+    c10d moves a node from its redundancy list to its wait list once a participant is dead."""
+    return rejoined + (waiting - rejoined if alive_members < max_nodes else 0)
+
+
+def members_lost(alive_members: int, world_size: int) -> int:
+    """How many members of a completed round of ``world_size`` nodes are gone (died, hung past
+    their session ttl, or left), ``alive_members`` of them being alive in the next round. A
+    late joiner of the round that has not moved on yet can count as alive for a moment: never
+    below 0."""
+    return max(0, world_size - alive_members)
 
 
 class Verdict(enum.Enum):

@@ -19,14 +19,10 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import (
-    RendezvousClosedError,
-    RendezvousError,
-    RendezvousTimeoutError,
-    SessionExpiredError,
-)
+from ..errors import (RendezvousClosedError, RendezvousError, RendezvousTimeoutError,
+                      SessionExpiredError)
 from ..store import PrefixStore, Store
-from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from ._api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 from ._decisions import (
     Action,
     RoundRules,
@@ -36,23 +32,21 @@ from ._decisions import (
     decide,
     is_spare,
     join_deadline,
-    nodes_waiting,
 )
 from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent
 from ._history_facts import encode_left_mark
-from ._layout import (
-    CLOSED_STATUS,
-    Decision,
-    NodeDescriptor,
-    RunKeys,
-    decode_int,
-    decode_rank,
-    decode_status,
-    encode_node,
-)
+from ._layout import (CLOSED_STATUS, NodeDescriptor, RunKeys, decode_int, decode_status,
+                      encode_node)
 from ._node import KeyLedger, PortReservation, new_node_id
 from ._sealer import Sealer
-from ._views import Membership, MembershipView, membership_view, observe_round
+from ._views import (
+    Membership,
+    MembershipView,
+    RoundChanges,
+    membership_view,
+    observe_round,
+    read_outcome,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,32 +65,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
     :meth:`set_closed` while this node waits in a round, for stores whose client serves one
     call at a time (TCPStore): the queries then never wait behind the round's blocking watch.
     """
-
-    @classmethod
-    def from_parameters(
-        cls,
-        store: Store,
-        params: RendezvousParameters,
-        *,
-        on_shutdown: Callable[[], None] | None,
-        query_store: Callable[[], Store] | None = None,
-        local_addr: str | None = None,
-    ) -> "DynamicRendezvousHandler":
-        """A handler over ``store`` configured by a backend's validated ``params``."""
-        return cls(
-            store,
-            params.run_id,
-            params.min_nodes,
-            params.max_nodes,
-            backend=params.backend,
-            local_addr=params.local_addr or local_addr,
-            join_timeout=params.get_option("join_timeout"),
-            last_call_timeout=params.get_option("last_call_timeout"),
-            close_timeout=params.get_option("close_timeout"),
-            history_size=params.get_option("history_size"),
-            on_shutdown=on_shutdown,
-            query_store=query_store,
-        )
 
     def __init__(
         self,
@@ -177,15 +145,26 @@ class DynamicRendezvousHandler(RendezvousHandler):
         logger.info("rendezvous %s closed by %s", keys.run_id, self._node_id)
 
     def num_nodes_waiting(self) -> int:
-        self.history.release()  # a monitoring call: this node's deferred events can go now
         store, member = self._query(), self._member
         if member is None:
+            self.history.release()  # a monitoring call: this node's deferred events can go
             return store.count_keys(self._keys.nodes(self._latest_sealed(store) + 1))
-        keys, next_round = self._keys, member.round + 1
-        reads = store.read_many([], [keys.nodes(next_round), keys.back_dir(next_round)])
-        return nodes_waiting(reads.counts[keys.nodes(next_round)],
-                             reads.counts[keys.back_dir(next_round)], member.world_size,
-                             self._rules.max_nodes)
+        return self._view(store, 0, 0.0, "num_nodes_waiting()")[0].nodes_waiting
+
+    def round_changes(self) -> RoundChanges:
+        """The nodes waiting and the members lost or left, in one read through this node's own
+        store session: if it expired (the node was paused past its ttl and the others took it
+        for gone), the node forgets it as :meth:`next_rendezvous` does and counts itself
+        lost; it joins its next round as a new node."""
+        if self._member is None:
+            return RoundChanges(waiting=self.num_nodes_waiting(), lost=0)
+        try:
+            view, _ = self._view(self._store, 0, 0.0, "round_changes()")
+        except SessionExpiredError as exc:
+            with self._lock:
+                self._forget_session(exc)
+            return RoundChanges(waiting=0, lost=1)
+        return RoundChanges(waiting=view.nodes_waiting, lost=view.lost)
 
     def is_spare(self) -> bool:
         return self._spare
@@ -426,25 +405,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self, r: int, raw: bytes | None, raw_status: bytes | None, previous: Membership | None,
         *, status_read: bool = True,
     ) -> tuple[bool, RendezvousInfo | None]:
-        """This node's outcome of round r from its rank record and the round's status, read
-        together (``status_read``; else read here if needed): (True, its RendezvousInfo),
-        (True, None) if it is late for the round, or (False, None) while the decision is not
-        written yet (the caller waits on).
-
-        A rank record is accepted only as part of the round's decision (:func:`check_rank`):
-        one of another decision, which only a stale sealer on a store that cannot fence its
-        writes leaves, makes this node late for the round (and deleted), never a member of a
-        mixed world. A record of a fenced write needs no read of the status: it was written in
-        one step with the status, into a round without one, and nothing rewrites a status."""
+        """This node's outcome of round r from its rank record and the round's status
+        (:func:`read_outcome`): (True, its RendezvousInfo), (True, None) if it is late for the
+        round, or (False, None) while the decision is not written yet (the caller waits on).
+        A record of another decision than the round's (:func:`check_rank`: only a stale
+        sealer on a store that cannot fence its writes leaves one) makes it late, never a
+        member of a mixed world."""
         store, keys = self._store, self._keys
-        rank_key, status_key = keys.rank(r, self._node_id), keys.status(r)
-        rank, decision = decode_rank(rank_key, raw) if raw is not None else (-1, None)
-        if decision is not None and decision.fenced and not status_read:
-            status: Decision | bool | None = decision
-        else:
-            if not status_read:
-                raw_status = store.try_get(status_key)
-            status = decode_status(status_key, raw_status)
+        rank_key = keys.rank(r, self._node_id)
+        rank, decision, status = read_outcome(store, keys, r, rank_key, raw, raw_status,
+                                              status_read)
         verdict = check_rank(decision, status)
         if verdict is Verdict.UNSEALED:
             return False, None

@@ -18,12 +18,17 @@ import logging
 import os
 from typing import Any, Sequence, cast
 
-from ..errors import RendezvousParameterError, SessionExpiredError, StoreAuthenticationError
+from ..errors import (
+    RendezvousParameterError,
+    SessionExpiredError,
+    StoreAuthenticationError,
+)
 from ..etcd._client import EtcdCompactedError, b64, unb64
 from ..etcd._writebehind import WriteBehindClient
 from ..store._base import Reads, Timeout, Value, to_bytes, to_seconds
 from ..store._etcd import EtcdStore
 from ._api import RendezvousParameters
+from ._backend import dynamic_handler
 from ._engine import DynamicRendezvousHandler
 from ._layout import control_dir_round, is_sealer_lock, parse_joiner_key
 
@@ -300,4 +305,4 @@ def open_store(params: RendezvousParameters, *, lease: bool = True) -> Rendezvou
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     store = open_store(params)
     logger.debug("etcd rendezvous %s on %s under %r", params.run_id, params.endpoint, store.prefix)
-    return DynamicRendezvousHandler.from_parameters(store, params, on_shutdown=store.close)
+    return dynamic_handler(store, params, on_shutdown=store.close)

@@ -14,6 +14,7 @@ import os
 
 from ..store._file import FileStore
 from ._api import RendezvousParameters
+from ._backend import dynamic_handler
 from ._engine import DynamicRendezvousHandler
 
 
@@ -36,4 +37,4 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         timeout=params.get_option("read_timeout"),
         session_ttl=ttl,
     )
-    return DynamicRendezvousHandler.from_parameters(store, params, on_shutdown=store.close)
+    return dynamic_handler(store, params, on_shutdown=store.close)

@@ -11,6 +11,7 @@ import threading
 
 from ..store import HashStore
 from ._api import RendezvousParameters
+from ._backend import dynamic_handler
 from ._engine import DynamicRendezvousHandler
 
 _stores: dict[str, HashStore] = {}
@@ -30,6 +31,6 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """A handler whose store is a new client of the endpoint's shared HashStore."""
     store = shared_store(params.endpoint).client()
     store.set_timeout(params.get_option("read_timeout"))
-    return DynamicRendezvousHandler.from_parameters(
+    return dynamic_handler(
         store, params, on_shutdown=store.close, local_addr="127.0.0.1"
     )

@@ -19,9 +19,9 @@ from datetime import timedelta
 
 from .._address import parse_endpoint
 from ..errors import (
-    RendezvousParameterError,
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousParameterError,
     RendezvousTimeoutError,
     StoreAuthenticationError,
     StoreConnectionError,
@@ -29,7 +29,12 @@ from ..errors import (
     StoreTimeoutError,
 )
 from ..store import PrefixStore, Store
-from ._api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from ._api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from ..errors import StoreConnectionError
 from ..server import _auth
 from ..store._tcp import TCPStore
 from ._api import RendezvousParameters
+from ._backend import dynamic_handler
 from ._engine import DynamicRendezvousHandler
 from ._params import backend_spec
 
@@ -88,6 +89,6 @@ def open_store(params: RendezvousParameters) -> tuple[TCPStore, bool, Callable[[
 
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     store, hosting, another_client = open_store(params)
-    return DynamicRendezvousHandler.from_parameters(
+    return dynamic_handler(
         store, params, on_shutdown=None if hosting else store.close, query_store=another_client
     )

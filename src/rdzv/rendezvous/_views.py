@@ -8,8 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..store import Store
-from ._decisions import RoundRules, RoundView, membership_changed, nodes_waiting
-from ._layout import RunKeys, decode_int, decode_status
+from ._decisions import (
+    RoundRules,
+    RoundView,
+    members_lost,
+    membership_changed,
+    nodes_waiting,
+)
+from ._layout import Decision, RunKeys, decode_int, decode_rank, decode_status
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,16 @@ class Membership:
     rank: int
     world_size: int
     rejoined: bool
+
+
+@dataclass(frozen=True)
+class RoundChanges:
+    """What a member sees of its round's membership, read at once."""
+
+    waiting: int
+    """Joiners of the next round that would change this one (``num_nodes_waiting()``)."""
+    lost: int
+    """Members of this round no longer alive (died, hung past their session ttl, or left)."""
 
 
 def observe_round(store: Store, keys: RunKeys, rules: RoundRules, r: int) -> tuple[RoundView, int]:
@@ -65,10 +81,20 @@ class MembershipView:
     max_nodes: int
 
     @property
+    def nodes_waiting(self) -> int:
+        """What ``num_nodes_waiting()`` reports: the members moving on, and the newcomers that
+        fit (a full round ignores its spares; a lost member's place is free)."""
+        return nodes_waiting(self.waiting, self.moved, self.alive, self.max_nodes)
+
+    @property
     def newcomers(self) -> int:
-        """Waiting newcomers that fit (a full round ignores its spares)."""
-        return nodes_waiting(self.waiting, self.moved, self.world_size, self.max_nodes) - \
-            self.moved
+        """Waiting newcomers that fit."""
+        return self.nodes_waiting - self.moved
+
+    @property
+    def lost(self) -> int:
+        """Members gone (died, hung past their session ttl, or left)."""
+        return members_lost(self.alive, self.world_size)
 
     @property
     def changed(self) -> bool:
@@ -101,3 +127,18 @@ def membership_view(
         newer_round_sealed=latest_sealed > member.round,
         max_nodes=rules.max_nodes,
     ), reads.revisions[path]
+
+
+def read_outcome(store: Store, keys: RunKeys, r: int, rank_key: str, raw: bytes | None,
+                 raw_status: bytes | None, status_read: bool
+                 ) -> tuple[int, Decision | None, Decision | bool | None]:
+    """A node's rank record of round ``r`` (its raw value) decoded, with the round's status:
+    (rank, the decision the record belongs to, the round's status). The status comes with the
+    record (``status_read``), or is read here, except for a record of a fenced write: written
+    in one step with the status, into a round without one, it is the round's status."""
+    rank, decision = decode_rank(rank_key, raw) if raw is not None else (-1, None)
+    if decision is not None and decision.fenced and not status_read:
+        return rank, decision, decision
+    if not status_read:
+        raw_status = store.try_get(keys.status(r))
+    return rank, decision, decode_status(keys.status(r), raw_status)

@@ -15,7 +15,7 @@ errors to torch's classes of the same names.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, cast
 
 from torch.distributed.elastic.rendezvous import api as torch_api
 
@@ -147,7 +147,17 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
         self._call(self._handler.set_closed)
 
     def num_nodes_waiting(self) -> int:
-        return self._call(self._handler.num_nodes_waiting)
+        """The nodes waiting to join, plus the members of this node's round that are lost.
+
+        torch's agent re-forms its group only when this is positive (or when a worker fails);
+        it does not watch for lost members. A member lost after the round formed but before its
+        workers joined the workers' process group fails no one: the other workers wait for it
+        in ``init_process_group`` until its timeout (10 minutes by default), so the loss must
+        count here. This node's own loss counts too (its store session expired while it was
+        paused: the others dropped it, and it joins again as a new node).
+        """
+        changes = self._call(self._handler.round_changes)
+        return changes.waiting + changes.lost
 
     def get_run_id(self) -> str:
         return self._handler.get_run_id()
@@ -170,7 +180,8 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
 
 def create_torch_handler(params: torch_api.RendezvousParameters) -> TorchRendezvousHandler:
     """The torch handler of an ``rdzv-*`` backend for torch's ``params``."""
-    handler = get_rendezvous_handler(rdzv_parameters(params))
+    # tcp, file and etcd (TORCHRUN_BACKENDS) are all the dynamic engine's backends
+    handler = cast(RendezvousHandler, get_rendezvous_handler(rdzv_parameters(params)))
     logger.info("torchrun rendezvous on rdzv backend %s (run %s)", params.backend, params.run_id)
     return TorchRendezvousHandler(handler, params.backend)
 
