@@ -54,11 +54,12 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from _training import LAUNCHERS, JobSpec, TrainingJob, free_port  # noqa: E402  (tests/_training.py)
+from _training import LAUNCHERS, ROOT, JobSpec, TrainingJob, free_port  # noqa: E402  (tests/_training.py)
 
 CHANGES = ("scale-out", "scale-in", "crash")
 POLL = 0.01
 """Seconds between two looks at the progress file."""
+
 
 
 class KilledFromOutside(Exception):
@@ -67,10 +68,19 @@ class KilledFromOutside(Exception):
 
 
 CHECK_COST = """
-import os, time
+import json, os, sys, time
+import torch
 import torch.distributed as dist
+sys.path.insert(0, os.path.join(os.environ["ROOT"], "examples"))
 import rdzv.torch
-os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+from rdzv._channel import ChannelServer
+from rdzv.torch._agreement import state_digest
+from rdzv.torch._statesync import encode_tree
+from elastic_train import make_model
+heard = []
+agent = ChannelServer(lambda local_rank, message: heard.append(message))  # a real channel
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=os.environ["PORT"], LOCAL_RANK="0", RDZV_AGENT_CHANNEL=agent.path)
 dist.init_process_group("gloo", rank=0, world_size=1)
 state = rdzv.torch.ElasticState(step=0)
 n = 200_000
@@ -81,17 +91,41 @@ checked = time.perf_counter() - start
 start = time.perf_counter()
 for _ in range(n):
     pass
-print((checked - (time.perf_counter() - start)) / n)
+per_step = (checked - (time.perf_counter() - start)) / n
+reports = 2_000
+start = time.perf_counter()
+for _ in range(reports):
+    state._reported = 0.0  # every step_done reports, as one does every PROGRESS_EVERY
+    state.step_done()
+per_report = (time.perf_counter() - start) / reports - per_step
+digests = {}
+for mb in (0.0, float(os.environ["DIGEST_MB"])):
+    model = make_model(mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+    tree = {"step": 1, "values": {}, "model": dict(model.state_dict()),
+            "optimizer": optimizer.state_dict()}
+    start = time.perf_counter()
+    for _ in range(5):
+        state_digest(*encode_tree(tree))
+    digests[mb] = (time.perf_counter() - start) / 5
+from rdzv.torch._elastic import PROGRESS_EVERY
+print(json.dumps({"per_step": per_step, "per_report": per_report, "every": PROGRESS_EVERY,
+                  "digest": {str(mb): s for mb, s in digests.items()}}))
 """
 
 
-def check_cost() -> float:
-    """Seconds that ElasticState.step_done() costs a step (no switch due), in a real worker."""
+def check_cost(digest_mb: float) -> dict[str, Any]:
+    """What ElasticState costs a step (no switch due) in a real worker connected to a real
+    channel, one progress report, and the agreement's digest of a state (the example's model,
+    and with ``digest_mb`` MB of weights)."""
     out = subprocess.run([sys.executable, "-c", CHECK_COST], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PORT": str(free_port())})
+                         timeout=300, env={**os.environ, "PORT": str(free_port()), "ROOT": ROOT,
+                                           "DIGEST_MB": str(digest_mb)})
     if out.returncode != 0:
         raise RuntimeError(f"measuring the per-step check failed: {out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 class Job(TrainingJob):
@@ -295,8 +329,16 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     steps = [row["result"]["step"] for row in rows if row["result"]["step"]]
     if steps:
         step = statistics.median(steps)
-        print(f"per-step check (ElasticState.step_done, no switch due): {args.check_cost * 1e6:.2f}"
-              f" us = {100 * args.check_cost / step:.4f}% of the median step ({step * 1000:.0f} ms)")
+        cost = args.check_cost
+        per_step = cost["per_step"] + cost["per_report"] * step / cost["every"]
+        print(f"per-step check (ElasticState.step_done connected to its agent, no switch due): "
+              f"{cost['per_step'] * 1e6:.2f} us, plus a progress report of "
+              f"{cost['per_report'] * 1e6:.1f} us every {cost['every']:g} s: "
+              f"{100 * per_step / step:.4f}% of the median step ({step * 1000:.0f} ms)")
+        digests = ", ".join(f"{float(mb):g} MB of frozen weights: {seconds * 1000:.1f} ms"
+                            for mb, seconds in cost["digest"].items())
+        print(f"the state's digest, computed by every worker entering a group (and again by "
+              f"those that received the state): the example's model {digests}")
     for number, note in enumerate(notes, 1):
         print(f"[{number}] {note}")
 
@@ -329,7 +371,7 @@ def main() -> None:
         parser.error(f"--model-mb: {args.model_mb!r} is not a comma-separated list of numbers, e.g. 0,200")
     if args.repeat < 1 or args.warm < 1 or args.after < 1:
         parser.error("--repeat, --warm and --after must be at least 1")
-    args.check_cost = check_cost()
+    args.check_cost = check_cost(max(sizes, default=200.0) or 200.0)
     for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or kill: clean up, even if started
         signal.signal(signum, signal.default_int_handler)  # with SIGINT ignored (nohup, &)
 

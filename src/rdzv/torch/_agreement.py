@@ -10,11 +10,11 @@ source's state. After the transfer the receivers' digests are gathered again and
 the source's: no group trains on with parameters that differ, and a worker whose view disagreed
 (it thought itself ahead, it missed a step) is brought into agreement by receiving the state.
 
-The digest (:func:`state_digest`) sums the bit patterns of every tensor as integers, so equal
-states give equal digests whatever the order of the reduction (threads, devices), plus a sum
-over a strided sample (a permutation of values changes it) and a hash of everything else in
-the state (step, values, the tree's shapes and dtypes). Cost: one pass over the state, measured
-in ``bench/membership.py``.
+The digest (:func:`state_digest`) sums every tensor's bytes as 64-bit integers (wrapping), so
+equal states give equal digests whatever the order of the reduction (threads, devices), plus a
+sum over a strided sample (values that trade places change it) and a hash of everything else in
+the state (step, values, the tree's shapes and dtypes). Cost: one pass over the state at memory
+speed, measured in ``bench/membership.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 MASK = (1 << 64) - 1
 STRIDE = 97
-"""The sample of every 97th element that makes the digest change when values move."""
+"""The sample of every 97th word that makes the digest change when values move."""
 MIX = 0x9E3779B97F4A7C15
 """An odd 64-bit constant: tensor i's sums are weighted by MIX**(i+1), so that values moving
 between tensors change the digest."""
@@ -72,16 +72,21 @@ def divergent(holdings: Sequence[Holding], source: int) -> list[int]:
             holding.step == want.step and holding.digest != want.digest]
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's elements as integers of the same width (its bit patterns)."""
+def _sums(tensor: torch.Tensor) -> tuple[int, int]:
+    """(sum, strided-sample sum) of a tensor's bytes read as 64-bit integers, wrapping, so that
+    the result does not depend on the order of the reduction; a tail of fewer than 8 bytes (or
+    a tensor whose storage offset forbids the view) is summed byte by byte."""
     flat = tensor.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.to(torch.uint8)
-    size = flat.element_size()
-    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
-    if kind is None or flat.is_complex():
-        return flat.view(torch.uint8)
-    return flat.view(kind)
+    raw = (flat.to(torch.uint8) if flat.dtype == torch.bool else flat).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    try:
+        words = raw[:whole].view(torch.int64)
+    except RuntimeError:  # a view into a buffer at an unaligned offset
+        words = raw[:whole].clone().view(torch.int64)
+    tail = int(raw[whole:].sum(dtype=torch.int64).item()) if whole < raw.numel() else 0
+    total = int(words.sum().item()) if whole else 0
+    sample = int(words[::STRIDE].sum().item()) if whole else 0
+    return (total + tail * MIX) & MASK, sample & MASK
 
 
 def state_digest(tree: Any, tensors: list[torch.Tensor]) -> tuple[int, int, int]:
@@ -96,9 +101,9 @@ def state_digest(tree: Any, tensors: list[torch.Tensor]) -> tuple[int, int, int]
         weight = (weight * MIX) & MASK
         if tensor.numel() == 0:
             continue
-        bits = _bits(tensor)
-        total = (total + weight * int(bits.sum(dtype=torch.int64).item())) & MASK
-        sample = (sample + weight * int(bits[::STRIDE].sum(dtype=torch.int64).item())) & MASK
+        whole, strided = _sums(tensor)
+        total = (total + weight * whole) & MASK
+        sample = (sample + weight * strided) & MASK
     return head, total, sample
 
 
