@@ -83,7 +83,11 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
         moved, more = signalled(node, Signalled(node.leave.signum), now, rules, pending=True)
         return moved, acts + more
     if any(s.state is Worker.FRESH for s in node.slots):
-        return join(node, *acts, say("a restarted worker is warm: bringing it into the group"))
+        return join(node, *acts, say("workers started to join are warm: bringing them into the "
+                                     "group"))
+    if not node.live and any(s.state is Worker.DONE for s in node.slots):  # it had finished
+        return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
+            *acts, act("watch", node.gen), act("done")]
     return node, acts + [act("watch", node.gen)]
 
 

@@ -269,14 +269,15 @@ class NodeRun:
     def _act_watch(self, gen: int) -> None:
         assert self.info is not None
         info, post = self.info, self.events.put
-        if self.node.phase is Phase.RUNNING:  # the round's control keys are no news now, and
-            self._unwatch()  # a change seen while entering is news again (edge-triggered)
+        transition = self.node.phase in (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
+        if not transition:  # the round's control keys are no news now, and a change seen
+            self._unwatch()  # while in the transition is news again (edge-triggered)
         if self._membership is None:
             ttl = session_ttl(self.config.rdzv_conf)
             self._membership = Watcher(f"rdzv-membership-{gen}", watch_membership(
                 self.handler, info.store, gen, post, lambda: mark_alive(info),
                 heartbeat_every(ttl), self.config.monitor_interval))
-        if self._round_watcher is None and self.node.phase is not Phase.RUNNING:
+        if self._round_watcher is None and transition:
             self._round_watcher = Watcher(f"rdzv-round-{gen}", watch_round(
                 self._round_store(gen), gen, post, self.node.coordinator, self.node.nodes,
                 self.rules.switch_timeout))

@@ -269,11 +269,15 @@ class ElasticState:
             self._apply(receive_state(source, device))
             digest = state_digest(*encode_tree(self._tree()))
         after = gather_holdings(self.step, False, digest, device)
-        if any((h.step, h.digest) != (after[source].step, after[source].digest) for h in after):
+        differ = [rank for rank, h in enumerate(after)
+                  if (h.step, h.digest) != (after[source].step, after[source].digest)]
+        if differ:
             assert self._link is not None
-            self._link.send(Failed("the workers hold different states after the transfer"))
-            raise SwitchError(f"the workers still hold different states after receiving rank "
-                              f"{source}'s: is every node running the same program?")
+            self._link.send(Failed(f"ranks {differ} hold another state than rank {source} "
+                                   "after receiving it"))
+            raise SwitchError(f"ranks {differ} still hold another state than rank {source} "
+                              f"after receiving it (before: {holdings}; after: {after}): is "
+                              "every node running the same program?")
         return received
 
     def _entered(self, plan: Plan, started: float, received: bool,
