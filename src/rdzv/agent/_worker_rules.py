@@ -94,8 +94,8 @@ def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
     if node.phase is Phase.SETTLING and not node.record_final:
         return settle(node, acts)
     if node.phase is Phase.RUNNING and node.slots[lr].state is Worker.FRESH:
-        return join(node, *acts, say("a restarted worker is warm: bringing it into the "
-                                       "group"))
+        return join(node, *acts, say("workers started to join are warm: bringing them "
+                                     "into the group"))
     return node, acts
 
 
