@@ -38,6 +38,20 @@ def test_events_add_up_by_kind_and_cause() -> None:
     assert totals.worker_failures == 1 and totals.corrupt == 2
 
 
+def test_restart_fallbacks_add_up_by_cause() -> None:
+    totals = RunTotals()
+    totals.add([
+        event(1, "restart_fallback", cause="worker_failed", reason="rank 3: exit code 1"),
+        event(2, "restart_fallback", cause="not_inprocess"),
+        event(3, "restart_fallback", cause="worker_failed"),
+        event(4, "restart_fallback", cause="rm -rf"),  # not a cause: no new series
+        event(5, "restart_fallback"),
+    ])
+    assert totals.fallbacks == {"worker_failed": 2, "not_inprocess": 1, "other": 1,
+                                "unknown": 1}
+    assert totals.events == {"restart_fallback": 5}
+
+
 def test_labels_take_only_known_kinds_and_causes() -> None:
     """Label values come from the history, which anyone with the store can write: each one is a
     time series, so values outside the known ones count under ``other``."""
