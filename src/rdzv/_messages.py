@@ -120,6 +120,10 @@ class Entered:
     ms: float
     step: int
     received: bool = False
+    create_ms: float = 0.0
+    """Of ``ms``: until the new group was created (a recovery: waiting for the plan too)."""
+    agree_ms: float = 0.0
+    """Of ``ms``: the agreement on the state, and its transfer (the rest: the callbacks)."""
     TYPE: ClassVar[str] = "entered"
 
 

@@ -37,7 +37,7 @@ class Crew:
         self._incarnation = 0
         """Tags the exits of each worker group started (a stopped group's are dropped)."""
         self.group: WorkerGroup | None = None
-        self._entered_ms: dict[int, float] = {}
+        self._entered: dict[int, Entered] = {}
         self._link = ChannelServer(lambda lr, message: agent.events.put(
             Said(self._epoch, lr, message)))
         agent.channel_path = self._link.path
@@ -48,16 +48,17 @@ class Crew:
         if event.epoch != self._epoch:
             return None
         if isinstance(event.message, Entered):
-            self._entered_ms[event.local_rank] = event.message.ms
+            self._entered[event.local_rank] = event.message
         return FromWorker(event.local_rank, event.message)
 
     def current(self, event: WorkerExited) -> bool:
         """Whether ``event`` is the exit of one of the current workers."""
         return self.group is not None and event.generation == self.group.generation
 
-    def pause_ms(self, local_ranks: tuple[int, ...]) -> float:
-        """The longest pause the workers reported entering their last group."""
-        return max((self._entered_ms.get(lr, 0.0) for lr in local_ranks), default=0.0)
+    def slowest(self, local_ranks: tuple[int, ...]) -> Entered | None:
+        """What the worker that paused longest entering its last group reported."""
+        return max((self._entered[lr] for lr in local_ranks if lr in self._entered),
+                   key=lambda entered: entered.ms, default=None)
 
     # -- processes ------------------------------------------------------------------------------
     def start(self, assignment: Assignment | None, restarts: int, stop_timeout: float) -> None:
@@ -103,7 +104,7 @@ class Crew:
             self._link.send(lr, Abort())
 
     def send_plans(self, plans: list[tuple[int, Plan]]) -> None:
-        self._entered_ms.clear()
+        self._entered.clear()
         for lr, plan in plans:
             self._link.send(lr, plan)
 

@@ -93,6 +93,8 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL = 10.0
 """Seconds between 'still waiting' lines while a round forms."""
+SLOW_ENTRY_MS = 1000.0
+"""A worker that took longer than this to enter a group: the console says where the time went."""
 LEAVE_TIMEOUT = 30.0
 """Seconds the node serving the store waits for the others to leave a finished round."""
 
@@ -419,15 +421,21 @@ class NodeRun:
         assert decision is not None and mine is not None
         self.crew.renumber(mine)
         self.group_info = self.info
-        ms = self.crew.pause_ms(mine.local_ranks)
+        slowest = self.crew.slowest(mine.local_ranks)
+        ms = slowest.ms if slowest is not None else 0.0
         at = max((node.slots[lr].step or 0 for lr in mine.local_ranks), default=0)
         recovered = decision.kind is Kind.RECOVER
+        took = f"{ms:.0f} ms"
+        if slowest is not None and ms > SLOW_ENTRY_MS:  # say where the time went
+            took += (f" (creating the group {slowest.create_ms:.0f} ms, agreeing on the state "
+                     f"{slowest.agree_ms:.0f} ms, the callbacks "
+                     f"{ms - slowest.create_ms - slowest.agree_ms:.0f} ms)")
         if newcomer:
-            self.agent.say(f"the workers joined the running group in {ms:.0f} ms at its step "
-                           f"{at}: {self.agent.describe(mine)}")
+            self.agent.say(f"the workers joined the running group in {took} at its step {at}: "
+                           f"{self.agent.describe(mine)}")
         else:
             what = "recovered in-process" if recovered else "switched"
-            self.agent.say(f"{what} in {ms:.0f} ms at step {at}: {self.agent.describe(mine)}")
+            self.agent.say(f"{what} in {took} at step {at}: {self.agent.describe(mine)}")
         record(self.handler, "recovered_in_process" if recovered else "switched_in_process",
                step=at, newcomer=newcomer or None, pause_s=round(ms / 1000, 6))
         if pause is not None:

@@ -99,6 +99,8 @@ class ElasticState:
         self._aborts = group_sockets.aborts
         self._entering: int | None = None
         """The round of the group being entered at a step boundary (None: none)."""
+        self._created = self._agreed = 0.0
+        """When the group being entered was created, and its state agreed (perf_counter)."""
         self._link: AgentLink | None = agent_link()
         if self._link is None:
             return
@@ -199,6 +201,7 @@ class ElasticState:
         self._entering = plan.round
         leave_group()
         enter_group(self._backend, plan, aborts)
+        self._created = time.perf_counter()
         self._entered(plan, started, self._agree(plan, fresh=False))
 
     def _recover(self, exc: BaseException) -> bool:
@@ -239,6 +242,7 @@ class ElasticState:
             try:
                 leave_group()
                 enter_group(self._backend, plan, aborts)
+                self._created = time.perf_counter()
                 return plan
             except GroupLost as exc:
                 self._link.send(Broken(self.step, fresh=fresh, round=plan.round,
@@ -252,6 +256,7 @@ class ElasticState:
         digest = (0, 0, 0) if fresh else state_digest(skeleton, tensors)
         holdings = gather_holdings(self.step, fresh, digest, device)
         source, receivers = agree(holdings, plan.source)
+        self._agreed = time.perf_counter()
         if source is None:
             return False
         odd = divergent(holdings, source)
@@ -269,6 +274,7 @@ class ElasticState:
             self._apply(receive_state(source, device))
             digest = state_digest(*encode_tree(self._tree()))
         after = gather_holdings(self.step, False, digest, device)
+        self._agreed = time.perf_counter()
         differ = [rank for rank, h in enumerate(after)
                   if (h.step, h.digest) != (after[source].step, after[source].digest)]
         if differ:
@@ -292,7 +298,10 @@ class ElasticState:
             for callback in self._callbacks:
                 callback(self)
         self._last = time.perf_counter()  # the pause is not a step
-        self._link.send(Entered(plan.round, (self._last - started) * 1000, self.step, received))
+        created = max(started, min(self._created, self._last))
+        agreed = max(created, min(self._agreed, self._last))
+        self._link.send(Entered(plan.round, (self._last - started) * 1000, self.step, received,
+                                (created - started) * 1000, (agreed - created) * 1000))
 
     def _group_failure(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the group failing under this worker (not a bug of its own)."""
