@@ -34,6 +34,7 @@ from rdzv.agent._protocol import (
     Worker,
 )
 from rdzv.agent._records import Assignment, Decision, Kind, SlotState
+from rdzv.agent._moves import MAX_FAILED_TRANSITIONS
 from rdzv.agent._rules import CONNECT_GRACE, step
 
 RULES = Rules(nproc=1, max_restarts=3, switch_timeout=60.0, leave_grace=30.0, min_nodes=1)
@@ -142,8 +143,8 @@ ROWS = [
     ("a node waits to join: the next round forms in the background, training goes on",
      running(), Changed(3, waiting=1), Phase.FORMING, ["join"]),
     ("a member leaves: the same", running(), Changed(3, leaving=1), Phase.FORMING, ["join"]),
-    ("a member is lost: abort the group first, then form the next round",
-     running(), Changed(3, lost=1), Phase.FORMING, ["abort", "losses", "join"]),
+    ("a member is lost: form the next round (its decision aborts the group if it lost a rank)",
+     running(), Changed(3, lost=1), Phase.FORMING, ["losses", "join"]),
     ("a worker's group failed (a peer is gone)", running(), worker(Broken(40)),
      Phase.FORMING, ["join"]),
     ("a worker crashed: restarted alone, the others go on without it",
@@ -172,8 +173,14 @@ ROWS = [
      Phase.AWAITING, ["cancel"]),
     ("another node could not enter the group: abandon, recover",
      entering(), Abandoned(4), Phase.FORMING, ["abort", "abandon", "join"]),
-    ("a member moved on after the decision: abandon, recover",
-     entering(), Changed(4, moved=1), Phase.FORMING, ["abort", "abandon", "join"]),
+    ("a member moved on after the decision without a word (no worker of it in the group): "
+     "the others enter all the same", entering(), Changed(4, moved=1), Phase.ENTERING, []),
+    ("the node cancelled (a participant lost), but the decision was written first: abandon",
+     replace(awaiting(), cancelled="1 participant(s) lost before the decision"),
+     Decided(4, decided(Kind.SWITCH)), Phase.FORMING, ["abort", "abandon", "join"]),
+    ("a worker crashed while the decision was awaited, the decision came first: abandon",
+     replace(awaiting(), cancelled="a worker crashed after this node's record"),
+     Decided(4, decided(Kind.RECOVER)), Phase.FORMING, ["abort", "abandon", "join"]),
     ("a worker crash while a round's decision is awaited: cancel the round",
      awaiting(), Exited(0, -signal.SIGKILL), Phase.AWAITING, ["replace", "cancel"]),
     ("a worker crash while entering: abandon the round",
@@ -219,7 +226,7 @@ ROWS = [
     # -- time -----------------------------------------------------------------------------------
     ("no decision in time: cancel the round", replace(awaiting(), deadline=NOW - 1), Tick(),
      Phase.AWAITING, ["cancel"]),
-    ("the workers did not enter in time: abandon, and restart them",
+    ("the workers did not enter in time: abandon, recover",
      replace(entering(), deadline=NOW - 1), Tick(), Phase.FORMING,
      ["abort", "abandon", "join"]),
     ("workers that never connect do not use the API: the record says so",
@@ -248,9 +255,23 @@ def test_a_leave_during_a_transition_is_carried_out_once_it_is_over() -> None:
     assert node.leave is not None and node.leave.announced
 
 
-def test_an_aborted_group_is_reported_broken_in_the_next_record() -> None:
-    node, _ = step(running(), Changed(3, lost=1), NOW, RULES)
+def test_an_abandoned_group_is_reported_broken_in_the_next_record() -> None:
+    node, _ = step(entering(), Changed(4, lost=1), NOW, RULES)
     assert [s.report(node.inprocess) for s in node.slots] == [SlotState.BROKEN]
+    assert node.restart_why is None and node.failed_transitions == 1
+
+
+def test_transitions_that_keep_failing_end_in_a_restart() -> None:
+    node = entering()
+    for _ in range(MAX_FAILED_TRANSITIONS - 1):
+        node, _ = step(replace(node, phase=Phase.ENTERING, decision=decided(Kind.RECOVER),
+                               assignment=assignment()), Changed(4, lost=1), NOW, RULES)
+        assert node.restart_why is None
+    node, _ = step(replace(node, phase=Phase.ENTERING, decision=decided(Kind.RECOVER),
+                           assignment=assignment()), Changed(4, lost=1), NOW, RULES)
+    assert node.restart_cause == "transition_failed" and "3 transitions" in node.restart_why
+    entered, _ = step(entering(), worker(Entered(4, 10.0, 50)), NOW, RULES)
+    assert entered.failed_transitions == 0  # a transition that completes resets the count
 
 
 def test_a_crashed_worker_is_absent_until_warm_then_fresh() -> None:

@@ -22,6 +22,9 @@ from ._protocol import (
 )
 from ._records import SlotState
 
+MAX_FAILED_TRANSITIONS = 3
+"""Transitions in a row that could not complete before the workers restart instead (a worker
+that fails every group it enters, a deterministic error taken for a lost peer)."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
@@ -45,7 +48,8 @@ def say(text: str) -> Act:
 def join(node: Node, *before: Act) -> Result:
     """Leave round ``gen`` for the next one (the workers go on training, or wait broken)."""
     return (replace(node, phase=Phase.FORMING, decision=None, hint=None, hint_written=False,
-                    record_final=False, deadline=math.inf), [*before, act("join")])
+                    record_final=False, deadline=math.inf, cancelled=None),
+            [*before, act("join")])
 
 
 def aborted(node: Node) -> Node:
@@ -57,14 +61,22 @@ def aborted(node: Node) -> Node:
 
 def abandon(node: Node, why: str) -> Result:
     """Leave a decided round whose group cannot form: abort the workers' group, mark the round
-    abandoned (the others see it at once) and join the next round, as a recovery."""
-    return join(aborted(node), say(f"{why}: aborting the workers' group and forming the "
-                                      "next round"), act("abort"), act("abandon"))
+    abandoned (the others see it at once) and join the next round, as a recovery. Transitions
+    that keep failing end in a restart of every worker (counted)."""
+    failed = node.failed_transitions + 1
+    node = replace(aborted(node), failed_transitions=failed)
+    if failed >= MAX_FAILED_TRANSITIONS and node.restart_why is None:
+        node = replace(node, restart_cause="transition_failed", restart_why=(
+            f"{failed} transitions in a row could not complete (the last: {why})"))
+    return join(node, say(f"{why}: aborting the workers' group and forming the next round"),
+                act("abort"), act("abandon"))
 
 
 def cancel(node: Node, why: str) -> Result:
-    """Before the decision: cancel the round (a fenced write; a decision written first wins)."""
-    return node, [say(f"{why}: cancelling this round's transition"), act("cancel")]
+    """Before the decision: cancel the round (a fenced write; a decision written first wins,
+    and the node then abandons the round: see ``cancelled``)."""
+    return replace(node, cancelled=why), [say(f"{why}: cancelling this round's transition"),
+                                          act("cancel")]
 
 
 def exit_with(node: Node, code: int, *before: Act) -> Result:

@@ -161,9 +161,14 @@ class Node:
     hint_written: bool = False
     record_final: bool = False
     restart_why: str | None = None
-    restart_cause: str = ""
-    """Why in a word (``worker_failed``, ``enter_timeout``, ``connect_timeout``): a label."""
     """A worker failed outside the API (or never connected): every worker restarts."""
+    restart_cause: str = ""
+    """Why in a word (``rdzv.rendezvous.RESTART_CAUSES``): a label."""
+    cancelled: str | None = None
+    """Why this node cancelled round ``gen`` (a decision written first makes it abandon it)."""
+    failed_transitions: int = 0
+    """Transitions in a row that could not complete (abandoned): past a bound, the workers
+    restart instead of recovering again."""
     restarts: int = 0
     started: float = 0.0
     """When the workers were last started (those that never connect do not use the API)."""
@@ -199,7 +204,8 @@ class Formed:
 @dataclass(frozen=True)
 class FormFailed:
     kind: str
-    """``closed``, ``graceful`` (asked to leave), ``timeout`` or ``error``."""
+    """``closed``, ``spare`` (closed, and this node waited as a spare), ``graceful`` (asked to
+    leave), ``timeout`` or ``error``."""
     message: str
 
 

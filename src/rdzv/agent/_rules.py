@@ -122,7 +122,10 @@ def _on_decided(node: Node, event: Decided, now: float, rules: Rules) -> Result:
     if decision.kind is Kind.CANCEL:
         return join(node, say(f"round {node.gen} was cancelled ({decision.why}): forming "
                                 "the next round"))
-    return replace(node, phase=Phase.AWAITING, decision=decision), [act("fetch")]
+    node = replace(node, phase=Phase.AWAITING, decision=decision)
+    if node.cancelled is not None:  # decided before this node's cancel: the cause still holds
+        return abandon(node, f"{node.cancelled}, after the round's decision")
+    return node, [act("fetch")]
 
 
 def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Result:
@@ -187,11 +190,10 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     if phase is Phase.RUNNING:
         if node.leave is not None and node.leave.announced:
             return node, []  # this node's own announcement
-        if event.lost:
-            return join(aborted(node), say(
-                f"{event.lost} member(s) of the round lost: aborting the workers' group and "
-                "forming the next round without them; the workers stay up"),
-                act("abort"), act("losses"))
+        if event.lost:  # the round's decision aborts the group if a member of it is lost
+            return join(node, say(f"{event.lost} member(s) of the round lost: forming the "
+                                  "next round without them; the workers stay up"),
+                        act("losses"))
         what = (f"{event.leaving} node(s) leaving" if event.leaving else
                 f"{event.waiting} node(s) waiting to join" if event.waiting else
                 "the other nodes moved on")
@@ -201,11 +203,9 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
         return join(node, say("another node re-forms the job: this node joins it"))
     if phase in (Phase.SETTLING, Phase.AWAITING) and node.decision is None and event.lost:
         return cancel(node, f"{event.lost} participant(s) lost before the decision")
-    if phase in (Phase.AWAITING, Phase.ENTERING) and node.decision and (event.lost or
-                                                                         event.moved):
-        return abandon(node, "a participant of the new group was lost" if event.lost else
-                        "a participant of the new group left it")
-    return node, []
+    if phase in (Phase.AWAITING, Phase.ENTERING) and node.decision and event.lost:
+        return abandon(node, "a participant of the new group was lost")
+    return node, []  # (a node that abandons the round says so: Abandoned)
 
 
 def _on_abandoned(node: Node, event: Abandoned, now: float, rules: Rules) -> Result:
@@ -260,10 +260,7 @@ def _on_tick(node: Node, event: Tick, now: float, rules: Rules) -> Result:
     if node.phase is Phase.AWAITING:
         return abandon(node, f"this node's assignment could not be read within {timeout}")
     if node.phase is Phase.ENTERING:
-        node = replace(node, restart_cause="enter_timeout",
-                       restart_why=f"the workers did not enter the new group within "
-                                         f"{timeout}")
-        return abandon(node, node.restart_why or "")
+        return abandon(node, f"the workers did not enter the new group within {timeout}")
     return node, []
 
 

@@ -110,8 +110,9 @@ def on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules) 
         return node, []
     slots = tuple(replace(s, state=Worker.RUNNING) if s.state is Worker.ENTERED else s
                   for s in node.slots)
-    node = replace(node, slots=slots, group=Group(decision.prefix, mine.rank_offset,
-                                                  decision.world_size, mine.local_ranks))
+    node = replace(node, slots=slots, failed_transitions=0,
+                   group=Group(decision.prefix, mine.rank_offset, decision.world_size,
+                               mine.local_ranks))
     pause = (now - node.entering_since) if decision.kind is Kind.RECOVER else None
     return running(node, [act("adopt", node.joining, pause)], now, rules)
 
