@@ -3,25 +3,19 @@
 Run: ``.venv/bin/python bench/rendezvous.py [--sizes 2,8,32,128,1000,10000] [--repeat 5]
 [--no-torch]``
 
-How nodes are simulated: every node has its own handler and its own store connection (rdzv: a
-TCPStore client with its session; torch: a TCPStore client), and calls next_rendezvous from its
-own thread of control; the nodes are spread over ``--procs`` worker processes (default 8), all on
-127.0.0.1. Each node has its own host address, as on a real cluster: node i's ``local_addr`` is
-a loopback address of its own (127.1.1.1, 127.1.1.2, ...), on which rdzv reserves the port of
-the round's bootstrap store (torch only uses it as the node's name). With all 10,000 nodes on
-127.0.0.1 the kernel's search for a free port among 10,000 reserved ones on one address took
-about 9 ms of CPU per reservation and dominated the round: a cost of the simulation, not of a
-cluster, where each host reserves one port. Up to 1000 nodes (``--nodes auto``) each node is an OS thread. Above that rdzv's nodes
-are gevent greenlets (``pip install -e .[bench]`` installs gevent): the worker runs under
-``python -m gevent.monkey``, so the unmodified blocking handler and TCPStore run cooperatively, one greenlet per node. Thousands
-of OS threads per process do not simulate nodes: they measure CPython's GIL (waiting threads
-wake every 5 ms to claim it; at 10,000 nodes on 2 cores the load reached 1000 and the round never
-formed). torch's TCPStore client is C++ (gevent cannot switch inside it), so torch's nodes are
-always threads; torch only runs up to 128 nodes. rdzv's store server runs in its own process;
-torch's TCPStore server (C++) in this one. Workers start their nodes at one instant of
-CLOCK_MONOTONIC (shared by the processes of a machine) and report when their last node returned;
-a time is the latest return minus the start. "last call" is when the last node had made its call
-(how far the simulation lagged behind the common start; it is part of the time).
+How nodes are simulated (``bench/_nodes.py``): every node has its own handler and its own store
+connection (rdzv: a TCPStore client with its session; torch: a TCPStore client), and calls
+next_rendezvous from its own thread of control; the nodes are spread over ``--procs`` worker
+processes (default 8), all on 127.0.0.1. Each node has its own host address (node i's
+``local_addr`` is a loopback address of its own, 127.1.1.1, 127.1.1.2, ...), on which rdzv
+reserves the port of the round's bootstrap store (torch only uses it as the node's name). Up to
+1000 nodes (``--nodes auto``) each node is an OS thread; above that rdzv's nodes are gevent
+greenlets (``pip install -e .[bench]`` installs gevent). torch's TCPStore client is C++ (gevent
+cannot switch inside it), so torch's nodes are always threads; torch only runs up to 128 nodes.
+rdzv's store server is ``rdzv serve`` in its own process; torch's TCPStore server (C++) runs in
+this one. Workers start their nodes at one instant of CLOCK_MONOTONIC and report when their last
+node returned; a time is the latest return minus the start. "last call" is when the last node
+had made its call (how far the simulation lagged behind the common start; it is part of the time).
 
 Scenarios:
 
@@ -46,22 +40,29 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import select
 import signal
-import subprocess
-import sys
-import threading
 import time
 import warnings
 from typing import Any
 
-HOST = "127.0.0.1"
+from _nodes import (
+    HOST,
+    Handler,
+    ServerProcess,
+    Worker,
+    ask_all,
+    at_once,
+    gevent_note,
+    node_addr,
+    node_kind,
+    parse_args,
+    split,
+)
+from _nodes import start_workers as start_node_workers
+
 HERE = os.path.abspath(__file__)
-REPLY_TIMEOUT = 600.0
-GREENLETS_ABOVE = 1000
-"""``--nodes auto``: rdzv's nodes are greenlets above this many nodes, threads up to it."""
 
 
 # -- worker processes ---------------------------------------------------------------------------
@@ -107,7 +108,6 @@ def _next_all(handlers: list[Any], at: float) -> dict[str, Any]:
     errors: list[str] = []
 
     def node(i: int) -> None:
-        time.sleep(max(0.0, at - time.monotonic()))
         starts[i] = time.monotonic()
         try:
             info = handlers[i].next_rendezvous()
@@ -116,11 +116,7 @@ def _next_all(handlers: list[Any], at: float) -> dict[str, Any]:
             errors.append(f"{type(exc).__name__}: {exc}")
         ends[i] = time.monotonic()
 
-    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(len(handlers))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(REPLY_TIMEOUT)
+    at_once(len(handlers), node, at)
     return {"end": max(ends), "last_call": max(starts), "ranks": ranks, "errors": errors[:3]}
 
 
@@ -137,81 +133,29 @@ def _watch(handler: Any, impl: str) -> float:
     return time.monotonic()
 
 
-def node_addr(i: int) -> str:
-    """Simulated node ``i``'s own loopback address (127.1.1.1, 127.1.1.2, ...)."""
-    return f"127.{1 + i // 62500}.{(i // 250) % 250 + 1}.{i % 250 + 1}"
-
-
-def worker_main(spec: dict[str, Any]) -> None:
-    threading.stack_size(256 * 1024)
+def worker_setup(spec: dict[str, Any]) -> Handler:
+    """A worker's nodes (one handler each) and its command handler."""
     make = _rdzv_handler if spec["impl"] == "rdzv" else _torch_handler
     handlers = [make({**spec, "addr": node_addr(spec["first"] + i)}) for i in range(spec["count"])]
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
+
+    def handle(command: dict[str, Any]) -> dict[str, Any]:
         if command["op"] == "next":
-            print(json.dumps(_next_all(handlers, command["at"])), flush=True)
-        elif command["op"] == "watch":
-            print(json.dumps({"seen": _watch(handlers[0], spec["impl"])}), flush=True)
-    os._exit(0)  # torch's keep-alive threads and 1000s of sockets: leave without teardown
+            return _next_all(handlers, command["at"])
+        return {"seen": _watch(handlers[0], spec["impl"])}
 
-
-def serve_main() -> None:
-    from rdzv.server._server import StoreServer, raise_nofile_limit
-
-    raise_nofile_limit()
-    server = StoreServer(HOST, 0).start()
-    print(json.dumps({"port": server.port}), flush=True)
-    sys.stdin.read()
-    server.stop()
+    return handle
 
 
 # -- the driver ---------------------------------------------------------------------------------
-class Worker:
-    def __init__(self, spec: dict[str, Any]) -> None:
-        greenlets = ["-m", "gevent.monkey"] if spec.get("nodes") == "greenlets" else []
-        self.process = subprocess.Popen(
-            [sys.executable, *greenlets, HERE, "--worker", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},  # torch's per-socket warnings
-        )
-
-    def read(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.process.pid} exited ({self.process.poll()})")
-        return json.loads(line)
-
-    def send(self, **command: Any) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                assert self.process.stdin is not None
-                self.process.stdin.close()
-                self.process.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(timeout=30)
-
-
 class Server:
-    """rdzv's store server in a process, or torch's TCPStore server in this one."""
+    """rdzv's store server in a process (``rdzv serve``), or torch's TCPStore server in this one."""
 
     def __init__(self, impl: str) -> None:
         self.impl = impl
-        self.process: subprocess.Popen[str] | None = None
+        self.process: ServerProcess | None = None
         if impl == "rdzv":
-            self.process = subprocess.Popen(
-                [sys.executable, HERE, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True,
-            )
-            assert self.process.stdout is not None
-            self.port = json.loads(self.process.stdout.readline())["port"]
+            self.process = ServerProcess()
+            self.port = self.process.port
         else:
             from datetime import timedelta
 
@@ -224,27 +168,13 @@ class Server:
 
     def close(self) -> None:
         if self.process is not None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            self.process.wait(timeout=30)
+            self.process.close()
         else:
             del self.store
 
 
 def start_workers(impl: str, port: int, counts: list[int], **spec: Any) -> list[Worker]:
-    firsts = [sum(counts[:i]) for i in range(len(counts))]
-    workers = [
-        Worker({"impl": impl, "port": port, "count": c, "first": f, **spec})
-        for c, f in zip(counts, firsts)
-    ]
-    for worker in workers:
-        assert worker.read() == {"ready": True}
-    return workers
-
-
-def split(total: int, procs: int) -> list[int]:
-    procs = max(1, min(procs, total))
-    return [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
+    return start_node_workers(HERE, counts, impl=impl, port=port, **spec)
 
 
 def next_round(workers: list[Worker], lead: float = 0.5) -> tuple[float, list[Any], float]:
@@ -254,9 +184,7 @@ def next_round(workers: list[Worker], lead: float = 0.5) -> tuple[float, list[An
     node had made its call).
     """
     at = time.monotonic() + lead
-    for worker in workers:
-        worker.send(op="next", at=at)
-    results = [worker.read() for worker in workers]
+    results = ask_all(workers, op="next", at=at)
     errors = [e for r in results for e in r["errors"]]
     if errors:
         raise RuntimeError(f"next_rendezvous failed: {errors[0]}")
@@ -270,15 +198,6 @@ def check(ranks: list[Any], world: int) -> None:
     got = sorted(r for r, _ in ranks)
     assert len(set(got)) == len(got) and got[-1] < world and len(got) >= world - 1, ranks
     assert {w for _, w in ranks} == {world}
-
-
-def node_kind(impl: str, n: int, choice: str) -> str:
-    """How the nodes of a barrier run: "threads" or "greenlets" (see the module docstring)."""
-    if choice != "auto":
-        return choice
-    if impl == "rdzv" and n > GREENLETS_ABOVE and importlib.util.find_spec("gevent") is not None:
-        return "greenlets"
-    return "threads"
 
 
 def bench_barrier(impl: str, n: int, procs: int, run: int, nodes: str) -> tuple[float, float]:
@@ -376,16 +295,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5,
                         help="barrier rounds per size and implementation, taken in turns (median shown)")
     parser.add_argument("--no-torch", action="store_true", help="rdzv only")
-    parser.add_argument("--nodes", choices=("auto", "threads", "greenlets"), default="auto",
-                        help=f"rdzv's barrier nodes: threads, gevent greenlets, or auto "
-                             f"(greenlets above {GREENLETS_ABOVE} nodes if gevent is installed)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        return worker_main(json.loads(args.worker))
-    if args.serve:
-        return serve_main()
+    args = parse_args(parser, worker_setup)
     with_torch = not args.no_torch
     if with_torch and importlib.util.find_spec("torch") is None:
         print("torch is not installed: rdzv only (pip install torch==2.13.0 for the comparison)")
@@ -397,7 +307,7 @@ def main() -> None:
     print(f"{'N':>6} | {'rdzv':>10} | {'(slowest)':>10} | {'last call':>9} | {'nodes':>9} | "
           f"{'torch c10d':>10} | {'last call':>9} | ratio")
     for size, n in enumerate(int(s) for s in args.sizes.split(",")):
-        kind = node_kind("rdzv", n, args.nodes)
+        kind = node_kind(n, args.nodes)
         mine: list[tuple[float, float]] = []
         theirs: list[tuple[float, float]] = []
         try:
@@ -415,9 +325,9 @@ def main() -> None:
         print(f"{n:>6} | {fmt(rdzv_s):>10} | {'(' + fmt(max(mine)[0]) + ')':>10} | {fmt(lag):>9} | "
               f"{kind:>9} | {fmt(torch_s):>10} | {fmt(their_lag):>9} | {ratio(torch_s, rdzv_s)}"
               f"{note}", flush=True)
-    if args.nodes == "auto" and importlib.util.find_spec("gevent") is None:
-        print(f"  note: gevent is not installed: nodes above {GREENLETS_ABOVE} ran as threads "
-              "(pip install gevent)")
+    note = gevent_note(args.nodes)
+    if note:
+        print(note)
 
     print("\nscale-out: 8 members, a late node arrives (max_nodes 9)")
     seen, new_round, note = bench_scale_out("rdzv", args.procs)
