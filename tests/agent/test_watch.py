@@ -1,0 +1,67 @@
+"""watch_round's cost while nothing changes: a slice that saw no change reads nothing, so a node
+waiting for its round's decision costs one watch request per slice, not a read of the round's
+control keys each time (N waiting nodes, a transition of T seconds: N x T / WAIT_SLICE reads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+from rdzv.agent._protocol import Decided, RecordsIn
+from rdzv.agent._records import DECISION_KEY, Decision, Kind, dumps_decision, ready_key
+from rdzv.agent._watch import WAIT_SLICE, watch_round
+from rdzv.store import HashStore, Reads
+
+
+class CountingStore(HashStore):
+    """A HashStore that counts its read_many calls (one per read of the control keys)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def read_many(self, keys: Sequence[str] = (), counts: Sequence[str] = (),
+                  revisions: Sequence[str] = (), lists: Sequence[str] = ()) -> Reads:
+        self.reads += 1
+        return super().read_many(keys, counts, revisions, lists)
+
+
+def watching(store: CountingStore, coordinator: bool, timeout: float) -> tuple[list[Any],
+                                                                              threading.Event]:
+    """A round watcher on ``store`` in a thread of its own: (what it posted, its stop)."""
+    posted: list[Any] = []
+    stopped = threading.Event()
+    body = watch_round(store, 1, posted.append, coordinator, 2, timeout)
+    threading.Thread(target=body, args=(stopped,), daemon=True).start()
+    return posted, stopped
+
+
+def test_a_waiting_node_reads_the_control_keys_only_when_they_changed() -> None:
+    store = CountingStore()
+    posted, stopped = watching(store, coordinator=False, timeout=60.0)
+    try:
+        time.sleep(4 * WAIT_SLICE + 0.1)  # four slices without a change
+        assert store.reads == 1 and posted == []
+        decision = Decision(Kind.STAY, "d1")
+        store.set(DECISION_KEY, dumps_decision(decision))
+        deadline = time.monotonic() + 5.0
+        while not posted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert posted == [Decided(1, decision)] and store.reads == 2
+    finally:
+        stopped.set()
+
+
+def test_the_coordinator_gets_what_there_is_at_its_deadline_without_a_change() -> None:
+    store = CountingStore()
+    store.set(ready_key(0), b"1")  # one of two records final: the wait ends at the deadline
+    posted, stopped = watching(store, coordinator=True, timeout=3 * WAIT_SLICE)
+    try:
+        deadline = time.monotonic() + 5.0
+        while not posted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(posted) == 1 and isinstance(posted[0], RecordsIn) and posted[0].timed_out
+        assert posted[0].records == {0: None, 1: None} and store.reads == 2
+    finally:
+        stopped.set()
