@@ -59,6 +59,9 @@ class Runtime:
         if op == "changes":
             changes = h.round_changes()
             return [changes.waiting, changes.lost]
+        if op == "membership":
+            view, revision = h.membership(*args)
+            return [view.alive, view.waiting, view.moved, view.closed, revision]
         if op == "wait_change":
             return h.wait_for_membership_change(*args)
         if op in ("is_closed", "set_closed", "shutdown", "get_backend"):

@@ -116,6 +116,20 @@ class RendezvousContract:
         assert a.call("wait_change", 0.3) is False
         assert a.call("waiting") == 0
 
+    def test_membership_polled_while_nothing_changes_sees_the_same_round(self, cluster):
+        """The membership watcher's poll: without a change each call says the same (members
+        alive, none waiting) at the same revision; a joiner shows at once as waiting."""
+        a, b = (cluster.node(2, 3, last_call_timeout=0.3) for _ in range(2))
+        form([a, b])
+        seen = a.call("membership")
+        assert seen[:4] == [2, 0, 0, False] and seen[4] > 0
+        for _ in range(3):
+            assert a.call("membership", seen[4], 0.2) == seen
+        joiner = cluster.node(2, 3, last_call_timeout=0.3)
+        joiner.request("next")
+        now = a.call("membership", seen[4], AT_ONCE)
+        assert now[:4] == [2, 1, 0, False] and now[4] > seen[4]
+
     def test_runs_do_not_mix(self, cluster):
         nodes = [cluster.node(2, 2, run_id=run) for run in ("x", "y", "x", "y")]
         results = form(nodes)

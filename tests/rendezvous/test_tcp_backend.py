@@ -185,3 +185,23 @@ def test_a_store_server_without_conditional_writes_still_forms_rounds(server):
         assert all(n.call("wait_change", 0.2) is False for n in nodes)
     finally:
         cluster.close()
+
+
+def test_a_membership_poll_without_a_change_is_one_watch_request(server):
+    """An agent polls its round's membership every monitor interval for as long as its workers
+    train: while nothing changes each poll costs the server one watch, not a read of the round
+    (1,000 nodes polling every 0.1 s would otherwise ask some 80,000 requests a second)."""
+    cluster = ProcessCluster("tcp", f"127.0.0.1:{server.port}", raw_store=lambda: TCPStore(
+        "127.0.0.1", server.port, timeout=30), hung_options=None, is_host=False)
+    try:
+        a, b = cluster.node(2, 2), cluster.node(2, 2)
+        form([a, b])
+        seen = a.call("membership")
+        before = server.metrics().requests
+        for _ in range(5):
+            assert a.call("membership", seen[4], 0.1) == seen
+        after = server.metrics().requests
+        grew = {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
+        assert grew == {"watch": 5}, grew
+    finally:
+        cluster.close()

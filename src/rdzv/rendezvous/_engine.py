@@ -103,6 +103,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._query_lock = threading.Lock()
         self._node_id = new_node_id(self._host)
         self._member: Membership | None = None
+        self._last_view: tuple[MembershipView, int] | None = None
+        """What :meth:`membership` read last (its keys all change with one under its path)."""
         self._port: PortReservation | None = None
         """The port this node offers as the bootstrap port, held until its next round."""
         self._keys_held = KeyLedger(store)
@@ -224,9 +226,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
                                   "first")
         self.history.release()  # the round is formed: this node's deferred events can go now
         path = self._keys.round(member.round + 1)
+        last = self._last_view
         if since:
-            store.watch(path, since, self._wait_seconds(seconds))
-        return membership_view(store, self._keys, self._rules, member, path)
+            revision = store.watch(path, since, self._wait_seconds(seconds))
+            if revision <= since and last is not None and last[1] == since and \
+                    last[0].round == member.round:
+                return last  # nothing changed: no read (a watcher polls this for hours)
+        self._last_view = membership_view(store, self._keys, self._rules, member, path)
+        return self._last_view
 
     def round_store(self, client: Store) -> Store:
         """The store of this node's current round (as ``next_rendezvous`` returned it) through
