@@ -236,7 +236,6 @@ def flood_process(port: int, conns: int, depth: int) -> None:
     """(In a child process) ``conns`` connections each keep ``depth`` gets in flight until this
     process's stdin closes; prints ``flooding`` once all are connected, then the answers read."""
     import select
-    import socket
 
     from rdzv.server import protocol as P
 

@@ -6,7 +6,6 @@ agent -> worker:
                     its place in the new group and the step at which it moves.
     :class:`Abort`  a member of the worker's group is gone: abort the group now (a collective
                     waiting on the lost peer fails instead of waiting for the group's timeout).
-    :class:`Query`  asks for a :class:`Progress`.
     :class:`Stop`   the agent stops its workers: exit now (the agent's SIGTERM follows).
 worker -> agent:
     :class:`Hello`     connected: ``fresh`` when the worker holds no training state yet (it was
@@ -45,8 +44,6 @@ class PlanKind(enum.Enum):
     """A planned change: at the end of step ``step`` the worker moves to the new group."""
     RECOVER = "recover"
     """A member was lost: the worker moves to the new group at once (its group is broken)."""
-    STAY = "stay"
-    """Nothing changes for the worker's group: only the round's number does."""
     LEAVE = "leave"
     """This worker's node leaves: the worker stops at the end of step ``step``."""
 
@@ -54,6 +51,8 @@ class PlanKind(enum.Enum):
 @dataclass(frozen=True)
 class Plan:
     round: int
+    """The transition's number as the worker's agent counts its rounds (it names the group in
+    :class:`Broken` and :class:`Entered`), not the rendezvous' round number."""
     kind: PlanKind
     step: int | None = None
     """SWITCH/LEAVE: the step at whose end the worker moves; RECOVER: the step adopted."""
@@ -75,11 +74,6 @@ class Plan:
 @dataclass(frozen=True)
 class Abort:
     TYPE: ClassVar[str] = "abort"
-
-
-@dataclass(frozen=True)
-class Query:
-    TYPE: ClassVar[str] = "query"
 
 
 @dataclass(frozen=True)
@@ -149,9 +143,9 @@ class Closed:
     TYPE: ClassVar[str] = "closed"
 
 
-ToWorker = Union[Plan, Abort, Query, Stop]
+ToWorker = Union[Plan, Abort, Stop]
 ToAgent = Union[Hello, Progress, Broken, Entered, Left, Failed, Term]
-TO_WORKER: dict[str, type] = {cls.TYPE: cls for cls in (Plan, Abort, Query, Stop)}
+TO_WORKER: dict[str, type] = {cls.TYPE: cls for cls in (Plan, Abort, Stop)}
 TO_AGENT: dict[str, type] = {cls.TYPE: cls for cls in (Hello, Progress, Broken, Entered, Left,
                                                       Failed, Term)}
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -172,7 +166,8 @@ def decode(line: bytes, types: dict[str, type]) -> Any:
         data = json.loads(line)
     except ValueError as exc:
         raise ChannelError(f"not JSON on the agent channel: {line[:80]!r}") from exc
-    cls = types.get(data.get("type")) if isinstance(data, dict) else None
+    kind = data.get("type") if isinstance(data, dict) else None
+    cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ChannelError(f"unknown message on the agent channel: {line[:80]!r}")
     values: dict[str, Any] = {}

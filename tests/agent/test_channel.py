@@ -14,13 +14,13 @@ from rdzv._channel import ChannelClient, ChannelError, ChannelServer
 from rdzv._messages import (
     TO_AGENT,
     TO_WORKER,
+    Abort,
     Broken,
     Closed,
     Hello,
     Plan,
     PlanKind,
     Progress,
-    Query,
     decode,
     encode,
 )
@@ -37,11 +37,11 @@ def test_a_worker_says_hello_and_messages_go_both_ways() -> None:
         assert server.connected() == frozenset({3})
         plan = Plan(7, PlanKind.SWITCH, step=50, source=0, rank=2, world_size=3,
                     master_addr="127.0.0.1", master_port=29500, prefix="rdzv-x")
-        assert server.send(3, Query()) and server.send(3, plan)
-        assert [got.get(timeout=5), got.get(timeout=5)] == [Query(), plan]
+        assert server.send(3, Abort()) and server.send(3, plan)
+        assert [got.get(timeout=5), got.get(timeout=5)] == [Abort(), plan]
         client.send(Progress(7, 0.06))
         assert seen.get(timeout=5) == (3, Progress(7, 0.06))
-        assert not server.send(5, Query())  # no such worker
+        assert not server.send(5, Abort())  # no such worker
         client.close()
         assert seen.get(timeout=5) == (3, Closed())
     finally:
@@ -60,6 +60,7 @@ def test_every_message_survives_its_encoding() -> None:
     b"not json", b"[1, 2]", b'{"type": "reboot"}', b'{"no": "type"}',
     b'{"type": "progress"}', b'{"type": "progress", "step": "7"}',
     b'{"type": "broken", "step": true}', b'{"type": "entered", "round": 1, "ms": "x", "step": 1}',
+    b'{"type": ["progress"]}', b'{"type": {"a": 1}}',
 ])
 def test_garbage_on_the_channel_is_refused_and_the_agent_goes_on(line: bytes) -> None:
     seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()

@@ -74,8 +74,11 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
         wait_for(lambda: observer.count_keys(joined) <= 1, JOIN, "the agent's session expired")
         time.sleep(1.0)
         node.signal(signal.SIGCONT)
-        wait_for(lambda: "re-forming" in node.output() or node.process.poll() is not None,
-                 JOIN, "the agent to react")
+        try:
+            wait_for(lambda: "re-forming" in node.output() or node.process.poll() is not None,
+                     JOIN, "the agent to react")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the agent said:\n{node.output()}") from None
         assert node.process.poll() is None, node.output()
         info = me.next_rendezvous()  # round 1, with the agent back in it
         assert info.world_size == 2

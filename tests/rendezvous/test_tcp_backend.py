@@ -202,6 +202,9 @@ def test_a_membership_poll_without_a_change_is_one_watch_request(server):
             assert a.call("membership", seen[4], 0.1) == seen
         after = server.metrics().requests
         grew = {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
-        assert grew == {"watch": 5}, grew
+        # the node's history, released by the first call, may write its batch meanwhile: a
+        # multi_set and one count_keys (a read of the round would be 3 counts and its gets)
+        history = grew.pop("multi_set", 0)
+        assert grew.pop("count_keys", 0) <= history and grew == {"watch": 5}, (history, grew)
     finally:
         cluster.close()

@@ -4,8 +4,10 @@ Each step all_reduces a counter (so the ranks move in lock step, as DDP does) an
 little. ``--stall-file F --stall-rank R``: once F exists, global rank R sleeps ``--stall-seconds``
 in its next step (a worker that does not reach the switch step in time). ``--perturb-file F
 --perturb-rank R``: once F exists, global rank R adds 1 to its weights, once (a worker whose
-state differs from the others', as a protocol error would leave it). After every change of
-group, rank 0 prints whether every rank holds the same weights.
+state differs from the others', as a protocol error would leave it). ``--stale-rank R``: at
+the first start, every rank but R restores step 10 and weights of 10 (a newer checkpoint than
+R's). After every change of group, and at the end, rank 0 prints whether every rank holds the
+same weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     parser.add_argument("--stall-seconds", type=float, default=20.0)
     parser.add_argument("--perturb-file", default=None)
     parser.add_argument("--perturb-rank", type=int, default=1)
+    parser.add_argument("--stale-rank", type=int, default=None)
     args = parser.parse_args()
     weight = torch.zeros(4)
     rdzv.torch.init_process_group("gloo")
@@ -46,6 +49,9 @@ def main() -> None:
             print(f"world size {state.world_size} at step {state.step}: weights {same}",
                   flush=True)
 
+    if args.stale_rank is not None and not state.received and state.rank != args.stale_rank:
+        state.step = 10  # what a newer checkpoint than the stale rank's would restore
+        state.values["weight"] += 10
     check(state)  # as the callbacks run after a change, on every worker (newcomers too)
 
     def train() -> None:
@@ -71,6 +77,7 @@ def main() -> None:
     state.run(train)
     if state.left:
         return
+    check(state)
     rdzv.torch.destroy_process_group()  # a barrier, then torch's (see its docstring)
     if state.rank == 0:
         print(f"done: {state.step} steps", flush=True)

@@ -132,6 +132,24 @@ def test_parameters_that_differ_at_a_change_are_brought_into_agreement(
 
 
 @pytest.mark.timeout(600)
+def test_workers_that_start_from_different_states_agree_before_their_first_step(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """One node restored an older checkpoint than the other (step 0 against 10): before the
+    first step the older one receives the newer state; the job trains on from step 10."""
+    args = agent_args(tmp_path, serve(launcher), [WORKER, "--steps", "30", "--step-sleep",
+                                                  "0.01", "--stale-rank", "1"])
+    nodes = [launcher.start(args) for _ in range(2)]
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in nodes]
+    outputs = "".join(node.output() for node in nodes)
+    assert codes == [0, 0], outputs[-12000:]
+    assert "world size 2 at step 30: weights identical" in outputs, outputs
+    assert re.search(r"^\[0\]:step 11 world_size 2 ", outputs, re.M), outputs
+    assert not re.search(r"^\[0\]:step [1-9] world_size", outputs, re.M), outputs
+    assert ("started from another state than its group's most advanced one (step 0): it "
+            "received that one (step 10)") in outputs, outputs
+
+
+@pytest.mark.timeout(600)
 def test_sigterm_to_an_agent_and_its_workers_at_once_is_a_graceful_leave(
         launcher: Launcher, tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"

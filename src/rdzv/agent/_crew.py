@@ -4,6 +4,7 @@ protocol's events only while the workers that sent them are the node's current o
 
 from __future__ import annotations
 
+import logging
 import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,11 @@ from ._workers import WorkerExited, WorkerGroup
 
 if TYPE_CHECKING:
     from ._agent import ElasticAgent
+
+logger = logging.getLogger(__name__)
+
+SLOW_ENTRY_MS = 1000.0
+"""A worker that took longer than this to enter a group: the console says where the time went."""
 
 
 @dataclass(frozen=True)
@@ -55,10 +61,19 @@ class Crew:
         """Whether ``event`` is the exit of one of the current workers."""
         return self.group is not None and event.generation == self.group.generation
 
-    def slowest(self, local_ranks: tuple[int, ...]) -> Entered | None:
-        """What the worker that paused longest entering its last group reported."""
-        return max((self._entered[lr] for lr in local_ranks if lr in self._entered),
-                   key=lambda entered: entered.ms, default=None)
+    def pause(self, local_ranks: tuple[int, ...]) -> tuple[float, str]:
+        """The longest pause of the workers ``local_ranks`` entering their last group (ms), and
+        how to say it: where the time went, if it was long (over ``SLOW_ENTRY_MS``)."""
+        slowest = max((self._entered[lr] for lr in local_ranks if lr in self._entered),
+                      key=lambda entered: entered.ms, default=None)
+        if slowest is None:
+            return 0.0, "0 ms"
+        ms, took = slowest.ms, f"{slowest.ms:.0f} ms"
+        if ms > SLOW_ENTRY_MS:
+            took += (f" (creating the group {slowest.create_ms:.0f} ms, agreeing on the state "
+                     f"{slowest.agree_ms:.0f} ms, the callbacks "
+                     f"{ms - slowest.create_ms - slowest.agree_ms:.0f} ms)")
+        return ms, took
 
     # -- processes ------------------------------------------------------------------------------
     def start(self, assignment: Assignment | None, restarts: int, stop_timeout: float) -> None:
@@ -111,6 +126,13 @@ class Crew:
     def send_leave(self, gen: int, step: int) -> None:
         for lr in self._link.connected():
             self._link.send(lr, Plan(round=gen, kind=PlanKind.LEAVE, step=step))
+
+    def let_go(self, timeout: float) -> None:
+        """The workers left the job: give them ``timeout`` s to finish and exit by themselves
+        (last lines, a checkpoint) before :meth:`close` stops what is left."""
+        if self.group is not None and not self.group.wait_exited(timeout):
+            logger.warning("workers that left the job still run after %.3g s: stopping them",
+                           timeout)
 
     def close(self, stop_timeout: float) -> None:
         self.stop(signal.SIGTERM, stop_timeout)

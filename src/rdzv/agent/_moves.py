@@ -22,6 +22,9 @@ from ._protocol import (
 )
 from ._records import SlotState
 
+CONNECT_GRACE = 10.0
+"""Seconds after their start within which workers that use the in-process API connect to their
+agent (Python and torch start-up); workers silent longer do not use it."""
 MAX_FAILED_TRANSITIONS = 3
 """Transitions in a row that could not complete before the workers restart instead (a worker
 that fails every group it enters, a deterministic error taken for a lost peer)."""
@@ -95,12 +98,26 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
         moved, more = signalled(node, Signalled(node.leave.signum), now, rules, pending=True)
         return moved, acts + more
     if any(s.state is Worker.FRESH for s in node.slots):
-        return join(node, *acts, say("workers started to join are warm: bringing them into the "
-                                     "group"))
+        moved, acts = bring_in(node, acts, now)
+        if moved.phase is Phase.RUNNING:  # they wait for a worker still starting: watch on
+            acts = [*acts, act("watch", node.gen)]
+        return moved, acts
     if not node.live and any(s.state is Worker.DONE for s in node.slots):  # it had finished
         return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
             *acts, act("watch", node.gen), act("done")]
     return node, acts + [act("watch", node.gen)]
+
+
+def bring_in(node: Node, acts: list[Act], now: float) -> Result:
+    """Bring this node's warm workers started to join (FRESH) into the group, all at once (one
+    switch): once none of them is still starting, or ``CONNECT_GRACE`` after their start."""
+    if not any(s.state is Worker.FRESH for s in node.slots):
+        return replace(node, deadline=math.inf), acts
+    wait_until = node.started + CONNECT_GRACE
+    if now < wait_until and any(s.state is Worker.STARTING and s.join for s in node.slots):
+        return replace(node, deadline=wait_until), acts
+    return join(node, *acts, say("workers started to join are warm: bringing them into the "
+                                 "group"))
 
 
 def after_failure(node: Node, why: str, now: float, rules: Rules) -> Result:

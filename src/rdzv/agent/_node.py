@@ -25,6 +25,7 @@ from ..errors import (
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
+    RendezvousStateError,
     SessionExpiredError,
 )
 from ..rendezvous import RendezvousInfo
@@ -54,11 +55,14 @@ from ._protocol import (
     Rules,
     Slot,
     Tick,
+    Unreadable,
     Worker,
 )
 from ._records import (
     HINT_KEY,
     NEXT_KEY,
+    Assignment,
+    Decision,
     Kind,
     NodeRecord,
     abandon_key,
@@ -93,8 +97,6 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL = 10.0
 """Seconds between 'still waiting' lines while a round forms."""
-SLOW_ENTRY_MS = 1000.0
-"""A worker that took longer than this to enter a group: the console says where the time went."""
 LEAVE_TIMEOUT = 30.0
 """Seconds the node serving the store waits for the others to leave a finished round."""
 
@@ -274,6 +276,7 @@ class NodeRun:
         transition = self.node.phase in (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
         if not transition:  # the round's control keys are no news now, and a change seen
             self._unwatch()  # while in the transition is news again (edge-triggered)
+            self.group_info = info  # the workers run in this round now (also after a STAY)
         if self._membership is None:
             ttl = session_ttl(self.config.rdzv_conf)
             self._membership = Watcher(f"rdzv-membership-{gen}", watch_membership(
@@ -339,8 +342,12 @@ class NodeRun:
 
     def _act_fetch(self) -> None:
         assert self.info is not None and self.node.decision is not None
-        self.events.put(Assigned(self.node.gen, read_assignment(
-            self.info.store, self.node.decision, self.node.group_rank)))
+        try:
+            self.events.put(Assigned(self.node.gen, read_assignment(
+                self.info.store, self.node.decision, self.node.group_rank)))
+        except RendezvousStateError as exc:  # written, but not as this node reads it
+            self.events.put(Unreadable(self.node.gen, f"this node's assignment cannot be "
+                                                      f"read: {exc}"))
 
     def _act_plans(self) -> None:
         node = self.node
@@ -378,6 +385,9 @@ class NodeRun:
                        cause=cause)
                 self._paused = None
 
+    def _act_let_go(self) -> None:
+        self.crew.let_go(self.config.stop_timeout)
+
     def _act_replace(self, local_rank: int) -> None:
         self.crew.replace(local_rank, self.node.restarts)
 
@@ -408,28 +418,21 @@ class NodeRun:
     def _act_leave_plans(self, step_: int) -> None:
         self.crew.send_leave(self.node.gen, step_)
 
-    def _act_next(self) -> None:
+    def _act_next(self, decision: Decision) -> None:
         """Tell the nodes of the workers' previous round (a leaving one) how its members moved
         on: the next round's kind and switch step."""
-        old, decision = self.group_info, self.node.decision
-        if old is not None and old is not self.info and decision is not None:
+        old = self.group_info
+        if old is not None and old is not self.info:
             old.store.set(NEXT_KEY, dumps_decision(decision))
 
-    def _act_adopt(self, newcomer: bool, pause: float | None) -> None:
+    def _act_adopt(self, decision: Decision, mine: Assignment, newcomer: bool,
+                   pause: float | None) -> None:
         node = self.node
-        decision, mine = node.decision, node.assignment
-        assert decision is not None and mine is not None
         self.crew.renumber(mine)
         self.group_info = self.info
-        slowest = self.crew.slowest(mine.local_ranks)
-        ms = slowest.ms if slowest is not None else 0.0
+        ms, took = self.crew.pause(mine.local_ranks)
         at = max((node.slots[lr].step or 0 for lr in mine.local_ranks), default=0)
         recovered = decision.kind is Kind.RECOVER
-        took = f"{ms:.0f} ms"
-        if slowest is not None and ms > SLOW_ENTRY_MS:  # say where the time went
-            took += (f" (creating the group {slowest.create_ms:.0f} ms, agreeing on the state "
-                     f"{slowest.agree_ms:.0f} ms, the callbacks "
-                     f"{ms - slowest.create_ms - slowest.agree_ms:.0f} ms)")
         if newcomer:
             self.agent.say(f"the workers joined the running group in {took} at its step {at}: "
                            f"{self.agent.describe(mine)}")

@@ -38,7 +38,7 @@ Phases of a node::
 A node asked to leave (SIGTERM or SIGINT, to the agent or its workers) while running announces
 it and stops its workers at the step the others switch at; asked during a transition, it leaves
 once the transition is over. Nothing here does I/O or reads a clock: ``now`` comes with each
-event, and the tables of ``tests/agent/test_protocol.py`` play every overlap.
+event, and the tables of ``tests/agent/test_node_protocol.py`` play every overlap.
 """
 
 from __future__ import annotations
@@ -241,6 +241,14 @@ class Abandoned:
     """A participant of round ``gen`` left it after its decision."""
 
     gen: int
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """Round ``gen``'s decision, or this node's assignment, is in the store but malformed."""
+
+    gen: int
+    message: str
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ from dataclasses import replace
 from typing import Any
 
 from ._moves import (
+    CONNECT_GRACE,
     EXIT_BARRIER_TIMEOUT,
     TRANSITIONS,
     abandon,
     aborted,
+    bring_in,
     cancel,
     exit_with,
     fail,
@@ -48,15 +50,13 @@ from ._protocol import (
     Rules,
     Signalled,
     Tick,
+    Unreadable,
     Worker,
     act,
 )
 from ._records import Kind
 from ._worker_rules import on_exit, on_leave_failed, on_next, on_worker
 
-CONNECT_GRACE = 10.0
-"""Seconds after their start within which workers that use the in-process API connect to their
-agent (Python and torch start-up); workers silent longer do not use it."""
 
 
 def step(node: Node, event: Any, now: float, rules: Rules) -> Result:
@@ -134,7 +134,7 @@ def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Resul
         return node, []
     mine = event.assignment
     node = replace(node, assignment=mine)
-    acts = [act("next")] if node.coordinator else []
+    acts = [act("next", decision)] if node.coordinator else []
     if decision.kind in (Kind.START, Kind.RESTART):
         return _restart(node, acts, now, rules)
     if decision.kind is Kind.STAY:
@@ -238,6 +238,8 @@ def _on_tick(node: Node, event: Tick, now: float, rules: Rules) -> Result:
                      act("stop", leave.signum))
     if now < node.deadline:
         return node, []
+    if node.phase is Phase.RUNNING:
+        return bring_in(node, [], now)
     if node.phase is Phase.FINISHED:
         return exit_with(node, 0, say(f"not every node finished within {EXIT_BARRIER_TIMEOUT:g} "
                                    "s; leaving anyway"))
@@ -262,6 +264,12 @@ def _on_tick(node: Node, event: Tick, now: float, rules: Rules) -> Result:
     if node.phase is Phase.ENTERING:
         return abandon(node, f"the workers did not enter the new group within {timeout}")
     return node, []
+
+
+def _on_unreadable(node: Node, event: Unreadable, now: float, rules: Rules) -> Result:
+    """Another node wrote what this one cannot read (another rdzv version, a corrupt store):
+    waiting would not help; the run fails with the reason."""
+    return fail(node, f"{event.message} (is every node running the same rdzv version?)")
 
 
 def _on_all_finished(node: Node, event: AllFinished, now: float, rules: Rules) -> Result:
@@ -295,4 +303,5 @@ _HANDLERS: dict[type, Any] = {
     Abandoned: _on_abandoned, Changed: _on_changed, FromWorker: on_worker, Exited: on_exit,
     Signalled: signalled, Expired: _on_expired, LeaveFailed: on_leave_failed,
     NextSeen: on_next, Tick: _on_tick, AllFinished: _on_all_finished,
+    Unreadable: _on_unreadable,
 }

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import RendezvousError
+from ..errors import RendezvousError, SessionExpiredError
 from ..rendezvous import RendezvousHandler
 from ..store import Store
 from ._protocol import (
@@ -23,9 +23,11 @@ from ._protocol import (
     AllFinished,
     Changed,
     Decided,
+    Expired,
     Hinted,
     NextSeen,
     RecordsIn,
+    Unreadable,
 )
 from ._records import (
     ABANDON_DIR,
@@ -98,6 +100,9 @@ def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
                 elif change != last:
                     last = change
                     post(change)
+            except SessionExpiredError as exc:  # this node was paused past its ttl: its own
+                post(Expired(str(exc)))         # keys are gone, it is not one of the lost
+                return
             except (RendezvousError, OSError) as exc:
                 if stopped.is_set():
                     return
@@ -143,7 +148,7 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
                 try:
                     post(Decided(gen, loads_decision(DECISION_KEY, raw)))
                 except RendezvousError as exc:
-                    logger.error("%s", exc)
+                    post(Unreadable(gen, f"the round's decision cannot be read: {exc}"))
             if reads.counts[ABANDON_DIR] > abandoned:
                 abandoned = reads.counts[ABANDON_DIR]
                 post(Abandoned(gen))

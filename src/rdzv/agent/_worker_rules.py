@@ -13,6 +13,7 @@ from ._moves import (
     TRANSITIONS,
     abandon,
     after_failure,
+    bring_in,
     cancel,
     exit_with,
     fail,
@@ -71,7 +72,7 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         if not node.live:
             return exit_with(node, 0, say(f"leaving: the other nodes formed the next round without "
                                        f"this node; its workers left at step {message.step}; "
-                                       "exiting"))
+                                       "exiting"), act("let_go"))
         return node, []
     if isinstance(message, Failed):
         return after_failure(node, f"a worker cannot follow the plan: {message.error}", now,
@@ -94,8 +95,7 @@ def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
     if node.phase is Phase.SETTLING and not node.record_final:
         return settle(node, acts)
     if node.phase is Phase.RUNNING and node.slots[lr].state is Worker.FRESH:
-        return join(node, *acts, say("workers started to join are warm: bringing them "
-                                     "into the group"))
+        return bring_in(node, acts, now)
     return node, acts
 
 
@@ -114,7 +114,8 @@ def on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules) 
                    group=Group(decision.prefix, mine.rank_offset, decision.world_size,
                                mine.local_ranks))
     pause = (now - node.entering_since) if decision.kind is Kind.RECOVER else None
-    return running(node, [act("adopt", node.joining, pause)], now, rules)
+    # (the decision goes with the action: running() may join the next round at once)
+    return running(node, [act("adopt", decision, mine, node.joining, pause)], now, rules)
 
 
 def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
@@ -145,8 +146,8 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if event.code > 0 or not node.inprocess or rules.restart_on_change:
         return after_failure(node, who, now, rules)
     restarts = node.restarts + 1
-    node = with_slot(replace(node, restarts=restarts, failures=node.failures + (who,)), lr,
-                 state=Worker.STARTING, step=None, join=True)
+    node = with_slot(replace(node, restarts=restarts, failures=node.failures + (who,),
+                             started=now), lr, state=Worker.STARTING, step=None, join=True)
     acts = [say(f"{who}: restarting it alone (restart {restarts} of {rules.max_restarts}); "
                  "it joins once warm"), act("replace", lr),
             act("event", "workers_restarted", {"restarts": restarts, "reason": who,

@@ -10,6 +10,7 @@ the file and, prefixed with ``[<global rank>]:``, to the agent's own stream.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -127,9 +128,13 @@ class WorkerGroup:
             directory = os.path.join(self.attempt_dir, str(spec.local_rank))
             os.makedirs(directory, exist_ok=True)
             env = dict(spec.env)
-            env["TORCHELASTIC_ERROR_FILE"] = os.path.join(directory, "error.json")
+            env["TORCHELASTIC_ERROR_FILE"] = error_file = os.path.join(directory, "error.json")
+            with contextlib.suppress(FileNotFoundError):  # a predecessor's, read when it failed
+                os.remove(error_file)
             shown = self._console_streams(spec.local_rank)
-            files = {name: open(os.path.join(directory, f"{name}.log"), "wb")
+            # appended to: a worker started again in its slot (it replaces one that crashed)
+            # keeps its predecessor's lines before its own
+            files = {name: open(os.path.join(directory, f"{name}.log"), "ab")
                      for name in ("stdout", "stderr")}
             try:
                 process = subprocess.Popen(
@@ -213,6 +218,13 @@ class WorkerGroup:
 
     def all_exited(self) -> bool:
         return all(w.exited.is_set() for w in self._workers.values())
+
+    def wait_exited(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for every worker to exit by itself; whether all did."""
+        deadline = time.monotonic() + timeout
+        for worker in self._workers.values():
+            worker.exited.wait(max(0.0, deadline - time.monotonic()))
+        return self.all_exited()
 
     def worker_files(self, local_rank: int) -> tuple[tuple[str, ...], str]:
         """(log files, error file) of a worker."""

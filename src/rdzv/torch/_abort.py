@@ -102,6 +102,20 @@ class GroupSockets:
                 dist.group.WORLD._get_backend(torch.device("cuda")).abort()  # type: ignore[union-attr]
             except (RuntimeError, AttributeError) as exc:
                 logger.warning("cannot abort the NCCL communicators: %s", exc)
+        return self._shut_down(targets)
+
+    def close_current(self) -> int:
+        """Shut down the current group's sockets as this worker leaves it for a new one (not an
+        abort: its own work in it is done): a peer still waiting in the old group (it took the
+        plan late) fails at once rather than after the group's timeout. NCCL's communicators
+        are left to ``destroy_process_group``, which waits for their queued work."""
+        with self._lock:
+            targets = dict(self._tracked)
+        return self._shut_down(targets)
+
+    def _shut_down(self, targets: dict[int, str]) -> int:
+        """Shut down the connected TCP sockets among ``targets`` (fd -> link) that still are
+        what they were; the count."""
         count = 0
         for fd, link in targets.items():
             if link in self._excluded:
@@ -114,7 +128,8 @@ class GroupSockets:
                 continue
             try:
                 listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                if sock.type == socket.SOCK_STREAM and not listening:
+                if sock.family in (socket.AF_INET, socket.AF_INET6) and \
+                        sock.type == socket.SOCK_STREAM and not listening:
                     sock.shutdown(socket.SHUT_RDWR)  # a listener's accept() would abort gloo
                     count += 1
             except OSError:

@@ -40,6 +40,7 @@ from ._group import (
     SwitchError,
     agent_link,
     enter_group,
+    first_line,
     group_sockets,
     joined_plan,
     leave_group,
@@ -97,14 +98,18 @@ class ElasticState:
         self._step_time: float | None = None
         self._reported = 0.0
         self._aborts = group_sockets.aborts
+        """The aborts counted when this worker took its current group's plan: one more means
+        the agent aborted the group, and any error of the worker is the group failing."""
         self._entering: int | None = None
         """The round of the group being entered at a step boundary (None: none)."""
+        self._synced = False
+        """Whether the workers of the current group are known to hold one state."""
         self._created = self._agreed = 0.0
         """When the group being entered was created, and its state agreed (perf_counter)."""
         self._link: AgentLink | None = agent_link()
         if self._link is None:
+            self._synced = True  # torchrun: the program restores one state everywhere
             return
-        self._link.progress = lambda: Progress(self.step, self._step_time)
         plan = joined_plan()
         if plan is None:
             self._link.send(Progress(self.step))
@@ -112,16 +117,17 @@ class ElasticState:
         started = time.perf_counter()  # a newcomer: it takes the state of the group it joined
         while True:
             try:
-                self.received = self._agree(plan, fresh=True)
+                self.received = self._agree(plan.source, fresh=True)
                 break
             except Exception as exc:
                 if not self._group_failure(exc):
                     raise
                 self._link.send(Broken(self.step, fresh=True, round=plan.round,
-                                       error=_first_line(exc)))
-                plan = self._enter_next(fresh=True)
-                if plan is None:
+                                       error=first_line(exc)))
+                taken = self._enter_next(fresh=True)
+                if taken is None:
                     return
+                plan, self._aborts = taken
         self._entered(plan, started, self.received, callbacks=False)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -132,10 +138,29 @@ class ElasticState:
 
     def steps(self, total: int) -> Iterator[int]:
         """The step numbers from :attr:`step` to ``total`` (exclusive), switching between steps
-        when the job changes; ends early if this node leaves the job."""
+        when the job changes; ends early if this node leaves the job. Under ``rdzv run`` the
+        workers first agree on one state (:meth:`sync`)."""
+        self.sync()
         while self.step < total and not self.left:
             yield self.step
             self.step_done()
+
+    def sync(self) -> None:
+        """Bring the workers of a group just started (or restarted) to one state, once, after
+        each restored its own (a checkpoint; an older one on some node, a fresh initialisation
+        where there is none): the most advanced state is sent to every worker that holds
+        another. A collective of every worker of the group: :meth:`steps` calls it, a loop that
+        calls :meth:`step_done` itself calls it before its first step. Without ``rdzv run``, or
+        once the group agreed, it does nothing."""
+        if self._link is None or self._synced:
+            return
+        before = self.step
+        if self._agree(None, fresh=False):
+            self.received = True
+            logger.warning("this worker started from another state than its group's most "
+                           "advanced one (step %d): it received that one (step %d) before its "
+                           "first step", before, self.step)
+        self._synced = True
 
     def step_done(self) -> None:
         """Count a completed step; at the planned step, move to the new group (or leave).
@@ -143,6 +168,8 @@ class ElasticState:
         Costs a clock read and an attribute check unless a move is due (see
         ``bench/membership.py``); every ``PROGRESS_EVERY`` seconds a progress report to the
         agent."""
+        if not self._synced:  # a loop that did not call sync() first agrees after a step
+            self.sync()
         self.step += 1
         now = time.perf_counter()
         if self._last is not None:
@@ -157,9 +184,11 @@ class ElasticState:
             self._reported = now
             link.send(Progress(self.step, self._step_time))
         plan = link.peek()
-        if plan is not None and (plan.kind is PlanKind.RECOVER or plan.kind is PlanKind.STAY
-                                 or plan.step is None or self.step >= plan.step):
-            self._move(*link.take())
+        if plan is not None and (plan.kind is PlanKind.RECOVER or plan.step is None or
+                                 self.step >= plan.step):
+            taken = link.take()
+            if taken is not None:  # (an abort may have dropped it since)
+                self._move(*taken)
 
     def run(self, train: Callable[[], T]) -> T | None:
         """Call ``train()`` (the training loop) and return what it returns; when a member of the
@@ -190,8 +219,8 @@ class ElasticState:
     def _move(self, plan: Plan, aborts: int) -> None:
         """At a step boundary: act on the agent's plan (on the training thread)."""
         assert self._link is not None
-        if plan.kind is PlanKind.STAY:
-            return
+        self._aborts = aborts
+        group_sockets.close_current()  # a peer that took the plan late must not wait on us
         if plan.kind is PlanKind.LEAVE:
             leave_group()
             self.left = True
@@ -202,7 +231,7 @@ class ElasticState:
         leave_group()
         enter_group(self._backend, plan, aborts)
         self._created = time.perf_counter()
-        self._entered(plan, started, self._agree(plan, fresh=False))
+        self._entered(plan, started, self._agree(plan.source, fresh=False))
 
     def _recover(self, exc: BaseException) -> bool:
         """The group failed under this worker: report it, then enter the group its agent plans
@@ -210,31 +239,33 @@ class ElasticState:
         assert self._link is not None
         started = time.perf_counter()
         logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
-                       self.step, type(exc).__name__, _first_line(exc))
-        self._link.send(Broken(self.step, round=self._entering, error=_first_line(exc)))
+                       self.step, type(exc).__name__, first_line(exc))
+        self._link.send(Broken(self.step, round=self._entering, error=first_line(exc)))
         group_sockets.abort()
         leave_group()
         while True:
-            plan = self._enter_next(fresh=False)
-            if plan is None:
+            taken = self._enter_next(fresh=False)
+            if taken is None:
                 return False
+            plan, self._aborts = taken
+            self._entering = plan.round
             try:
-                received = self._agree(plan, fresh=False)
+                self._entered(plan, started, self._agree(plan.source, fresh=False))
             except Exception as error:
                 if not self._group_failure(error):
                     raise
-                self._link.send(Broken(self.step, round=plan.round, error=_first_line(error)))
+                self._link.send(Broken(self.step, round=plan.round, error=first_line(error)))
                 continue
             self.recoveries += 1
-            self._entered(plan, started, received)
             return True
 
-    def _enter_next(self, fresh: bool) -> Plan | None:
-        """Wait for the next plan naming a group and enter it (None: its node leaves); a group
-        that fails to form is reported and the next plan awaited."""
+    def _enter_next(self, fresh: bool) -> tuple[Plan, int] | None:
+        """Wait for the next plan naming a group and enter it: (the plan, the aborts counted
+        when it was taken), None if its node leaves; a group that fails to form is reported and
+        the next plan awaited."""
         assert self._link is not None
         while True:
-            plan, aborts = self._link.wait(lambda p: p.kind is not PlanKind.STAY)
+            plan, aborts = self._link.wait()
             if plan.kind is PlanKind.LEAVE:
                 self.left = True
                 self._link.send(Left(self.step))
@@ -243,19 +274,20 @@ class ElasticState:
                 leave_group()
                 enter_group(self._backend, plan, aborts)
                 self._created = time.perf_counter()
-                return plan
+                return plan, aborts
             except GroupLost as exc:
                 self._link.send(Broken(self.step, fresh=fresh, round=plan.round,
-                                       error=_first_line(exc)))
+                                       error=first_line(exc)))
 
-    def _agree(self, plan: Plan, fresh: bool) -> bool:
-        """Bring every worker of the new group to one state (see ``_agreement``); whether this
-        worker received it."""
+    def _agree(self, decided: int | None, fresh: bool) -> bool:
+        """Bring every worker of the current group to one state (see ``_agreement``), from
+        the ``decided`` source if it holds the most advanced one; whether this worker received
+        it."""
         device = self._device()
         skeleton, tensors = encode_tree(self._tree())
         digest = (0, 0, 0) if fresh else state_digest(skeleton, tensors)
         holdings = gather_holdings(self.step, fresh, digest, device)
-        source, receivers = agree(holdings, plan.source)
+        source, receivers = agree(holdings, decided)
         self._agreed = time.perf_counter()
         if source is None:
             return False
@@ -288,15 +320,17 @@ class ElasticState:
 
     def _entered(self, plan: Plan, started: float, received: bool,
                  callbacks: bool = True) -> None:
+        """The worker holds the group's state: run the callbacks (a group failure in them is
+        one of the transition, ``_entering`` still set) and tell the agent."""
         assert self._link is not None
         self.rank, self.world_size = plan.rank, plan.world_size
-        self._aborts = group_sockets.aborts
-        self._entering = None
-        if plan.kind is PlanKind.SWITCH:
-            self.switches += 1
         if callbacks:
             for callback in self._callbacks:
                 callback(self)
+        self._entering = None
+        self._synced = True
+        if plan.kind is PlanKind.SWITCH:
+            self.switches += 1
         self._last = time.perf_counter()  # the pause is not a step
         created = max(started, min(self._created, self._last))
         agreed = max(created, min(self._agreed, self._last))
@@ -322,6 +356,7 @@ class ElasticState:
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(tree["optimizer"])
             self.step = int(tree["step"])
+            self.values.clear()
             self.values.update(tree["values"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             assert self._link is not None
@@ -335,6 +370,3 @@ class ElasticState:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:300]

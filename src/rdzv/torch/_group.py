@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -31,8 +31,6 @@ from .._messages import (
     Left,
     Plan,
     PlanKind,
-    Progress,
-    Query,
     Stop,
     Term,
 )
@@ -59,7 +57,7 @@ class SwitchError(RendezvousError):
     """This worker could not move to the new process group; its agent restarts the workers."""
 
 
-class GroupLost(Exception):
+class GroupLost(RendezvousError):
     """The group this worker is in, or is entering, failed (a peer is gone, or the agent aborted
     it): the worker reports it and waits for its agent's next plan."""
 
@@ -75,7 +73,7 @@ class AgentLink:
         self._gone = False
         self._stopping = False
         self._noticed = False
-        self.progress: Callable[[], Progress] = lambda: Progress(0)
+        self._term = threading.Event()
         self.client = ChannelClient(path, int(os.environ.get("LOCAL_RANK", "0")), self._on, fresh)
         group_sockets.exclude(self.client.sock)
         self._watch_sigterm()
@@ -94,8 +92,6 @@ class AgentLink:
             if aborted:
                 logger.warning("the agent aborted the process group (a member is lost): %d "
                                "socket(s) shut down", aborted)
-        elif isinstance(message, Query):
-            self.send(self.progress())
         elif isinstance(message, Stop):
             self._on_stop()
         elif isinstance(message, Closed):
@@ -111,25 +107,23 @@ class AgentLink:
         """The newest plan not taken yet."""
         return self._plan
 
-    def take(self) -> tuple[Plan, int]:
-        """Take the newest plan, with the abort count it was taken at."""
+    def take(self) -> tuple[Plan, int] | None:
+        """Take the newest plan, with the abort count it was taken at (None: an abort dropped
+        it since :meth:`peek`)."""
         with self._cond:
             plan, self._plan = self._plan, None
-        assert plan is not None
-        return plan, group_sockets.aborts
+            return None if plan is None else (plan, group_sockets.aborts)
 
-    def wait(self, accept: Callable[[Plan], bool]) -> tuple[Plan, int]:
-        """Wait for a plan that ``accept`` takes (others are dropped); SwitchError if the agent
-        is gone. No deadline of its own: the agent bounds every transition and stops its
-        workers when one fails."""
+    def wait(self) -> tuple[Plan, int]:
+        """Wait for the next plan (with the aborts counted when it was taken); SwitchError if
+        the agent is gone. No deadline of its own: the agent bounds every transition and stops
+        its workers when one fails."""
         with self._cond:
             while True:
                 plan = self._plan
-                if plan is not None and accept(plan):
-                    self._plan = None
-                    return plan, group_sockets.aborts
                 if plan is not None:
                     self._plan = None
+                    return plan, group_sockets.aborts
                 if self._gone:
                     raise SwitchError("this worker's rdzv agent is gone")
                 self._cond.wait(WAIT_SLICE)
@@ -143,7 +137,14 @@ class AgentLink:
             return
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return
+        # The notice is sent from a thread of its own, started now: the handler runs on the
+        # training thread, which may hold the channel's send lock when the signal comes.
+        threading.Thread(target=self._send_term, name="rdzv-sigterm", daemon=True).start()
         signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _send_term(self) -> None:
+        self._term.wait()
+        self.send(Term())
 
     def _on_sigterm(self, signum: int, _frame: Any) -> None:
         if self._stopping or self._noticed:  # the agent stops this worker, or a second one
@@ -151,8 +152,7 @@ class AgentLink:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self._noticed = True
-        # Not from here: the training thread may hold the channel's send lock right now.
-        threading.Thread(target=self.send, args=(Term(),), daemon=True).start()
+        self._term.set()
 
     def _on_stop(self) -> None:
         """The agent stops its workers: its SIGTERM follows (or came first, taken for a
@@ -185,7 +185,7 @@ def join_running_group(backend: str) -> tuple[int, int]:
             f"{ENV_JOIN} is set but {ENV_CHANNEL} is not: both come from `rdzv run`; do not "
             "set them by hand")
     while True:
-        plan, aborts = link.wait(lambda p: p.kind is not PlanKind.STAY)
+        plan, aborts = link.wait()
         if plan.kind is PlanKind.LEAVE:  # its node leaves before it ever joined
             link.send(Left(0))
             sys.stdout.flush()
@@ -194,7 +194,7 @@ def join_running_group(backend: str) -> tuple[int, int]:
         try:
             enter_group(backend, plan, aborts)
         except GroupLost as exc:
-            link.send(Broken(0, fresh=True, round=plan.round, error=str(exc)[:300]))
+            link.send(Broken(0, fresh=True, round=plan.round, error=first_line(exc)))
             continue
         _joined = plan
         return plan.rank, plan.world_size
@@ -253,7 +253,7 @@ def enter_group(backend: str, plan: Plan, aborts: int) -> None:
     except Exception as exc:  # torch raises RuntimeError, DistError, DistNetworkError, ...
         leave_group()
         raise GroupLost(f"cannot create the group of round {plan.round}: "
-                        f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                        f"{type(exc).__name__}: {first_line(exc)}") from exc
     os.environ.update({name: str(getattr(plan, key)) for name, key in PLAN_ENV.items()})
 
 
@@ -271,9 +271,10 @@ def leave_group() -> None:
     try:
         dist.destroy_process_group()
     except Exception as exc:  # a failed group's teardown can fail too: it is gone either way
-        logger.warning("destroying the process group: %s", _first_line(exc))
+        logger.warning("destroying the process group: %s", first_line(exc))
     group_sockets.forget_closed()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, at most 300 characters (for a report)."""
     return (str(exc).strip().splitlines() or [""])[0][:300]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rdzv._messages import Broken, Entered, Hello, Progress, Term
+from rdzv._messages import Broken, Entered, Hello, Left, Progress, Term
 from rdzv.agent._protocol import (
     Abandoned,
     Assigned,
@@ -31,11 +31,12 @@ from rdzv.agent._protocol import (
     Signalled,
     Slot,
     Tick,
+    Unreadable,
     Worker,
 )
 from rdzv.agent._records import Assignment, Decision, Kind, SlotState
-from rdzv.agent._moves import MAX_FAILED_TRANSITIONS
-from rdzv.agent._rules import CONNECT_GRACE, step
+from rdzv.agent._moves import CONNECT_GRACE, MAX_FAILED_TRANSITIONS
+from rdzv.agent._rules import step
 
 RULES = Rules(nproc=1, max_restarts=3, switch_timeout=60.0, leave_grace=30.0, min_nodes=1)
 NOW = 1000.0
@@ -133,6 +134,21 @@ ROWS = [
      Assigned(4, assignment(0)), Phase.ENTERING, ["next", "plans"]),
     ("every worker is in the new group: the node runs in the round",
      entering(), worker(Entered(4, 12.0, 50)), Phase.RUNNING, ["adopt", "watch"]),
+    ("its workers entered while another of its workers got warm: it adopts the group (the "
+     "decision goes with the action), then brings the warm one in",
+     replace(entering(), slots=(Slot(Worker.RUNNING, step=40), Slot(Worker.FRESH))),
+     worker(Entered(4, 12.0, 50)), Phase.FORMING, ["adopt", "join"]),
+    ("a worker started to join is warm while another of the node's still starts: wait for it "
+     "(one switch for both)",
+     replace(running(nproc=2), slots=(Slot(Worker.FRESH), Slot(Worker.STARTING, join=True)),
+             started=NOW - 1), worker(Hello(0, 1, fresh=True)), Phase.RUNNING, []),
+    ("the last worker started to join is warm: bring them all in",
+     replace(running(nproc=2), slots=(Slot(Worker.FRESH), Slot(Worker.FRESH))),
+     worker(Hello(1, 1, fresh=True), 1), Phase.FORMING, ["join"]),
+    ("a worker started to join is still starting past the grace: the warm ones go in",
+     replace(running(nproc=2), slots=(Slot(Worker.FRESH), Slot(Worker.STARTING, join=True)),
+             started=NOW - CONNECT_GRACE - 1, deadline=NOW - 1), Tick(), Phase.FORMING,
+     ["join"]),
     ("an Entered of another round is no news", entering(), worker(Entered(3, 12.0, 50)),
      Phase.ENTERING, []),
     ("a round cancelled: join the next", awaiting(), Decided(4, decided(Kind.CANCEL)),
@@ -175,6 +191,18 @@ ROWS = [
      entering(), Abandoned(4), Phase.FORMING, ["abort", "abandon", "join"]),
     ("a member moved on after the decision without a word (no worker of it in the group): "
      "the others enter all the same", entering(), Changed(4, moved=1), Phase.ENTERING, []),
+    ("its workers left the job (the node leaves): they get to exit by themselves, then the "
+     "node exits", replace(running(), leave=Leave(signal.SIGTERM, NOW + 30, announced=True)),
+     FromWorker(0, Left(55)), Phase.EXITED, ["let_go", "exit"]),
+    ("a decision this node cannot read (another rdzv version): the run fails, saying so",
+     awaiting(), Unreadable(4, "the round's decision cannot be read: malformed step"),
+     Phase.EXITED, ["stop", "fail", "exit"]),
+    ("an assignment this node cannot read: the run fails, saying so",
+     replace(awaiting(), decision=decided(Kind.SWITCH)),
+     Unreadable(4, "this node's assignment cannot be read"), Phase.EXITED,
+     ["stop", "fail", "exit"]),
+    ("what could not be read in an earlier round is no news",
+     running(gen=4), Unreadable(3, "the round's decision cannot be read"), Phase.RUNNING, []),
     ("the node cancelled (a participant lost), but the decision was written first: abandon",
      replace(awaiting(), cancelled="1 participant(s) lost before the decision"),
      Decided(4, decided(Kind.SWITCH)), Phase.FORMING, ["abort", "abandon", "join"]),
