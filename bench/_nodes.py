@@ -54,12 +54,13 @@ def split(total: int, procs: int) -> list[int]:
     return [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
 
 
-def node_kind(n: int, choice: str, greenlets_ok: bool = True) -> str:
+def node_kind(n: int, choice: str, greenlets_ok: bool = True,
+              threads_up_to: int = GREENLETS_ABOVE) -> str:
     """How the nodes of a run of ``n`` nodes are simulated: "threads" or "greenlets" (greenlets
-    above ``GREENLETS_ABOVE`` for "auto", where ``greenlets_ok`` and gevent is installed)."""
+    above ``threads_up_to`` for "auto", where ``greenlets_ok`` and gevent is installed)."""
     if choice != "auto":
         return choice
-    if greenlets_ok and n > GREENLETS_ABOVE and importlib.util.find_spec("gevent") is not None:
+    if greenlets_ok and n > threads_up_to and importlib.util.find_spec("gevent") is not None:
         return "greenlets"
     return "threads"
 

@@ -141,6 +141,8 @@ def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Resul
         return running(node, acts, now, rules)
     if not mine.local_ranks:  # none of this node's workers is in the group
         return running(replace(node, group=None), acts, now, rules)
+    if any(node.slots[lr].state is Worker.DONE for lr in mine.local_ranks):
+        return abandon(node, "this node's workers finished before they entered the new group")
     if decision.kind is Kind.RECOVER:
         acts.append(act("abort"))
     acts.append(act("plans"))

@@ -130,6 +130,10 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
             return node, []
         if leaving:
             return exit_with(node, 0, say("leaving: the workers left; exiting"))
+        if node.phase is Phase.SETTLING:  # the round being formed tells: a restart (another
+            return settle(node, [])      # node's failure) starts them anew; else finished
+        if node.phase in (Phase.FORMING, Phase.AWAITING):
+            return node, []
         return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
             say(f"all {len(node.slots)} worker(s) of this node succeeded; waiting for the "
                  "other nodes to finish"), act("done")]
