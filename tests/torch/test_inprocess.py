@@ -131,7 +131,10 @@ def test_a_worker_that_misses_the_switch_makes_the_agents_restart(launcher: Laun
     outputs = first.output() + second.output() + third.output()
     assert codes == [0, 0, 0], outputs[-8000:]
     assert "did not enter the new group within 3 s (--switch-timeout)" in outputs, outputs[-8000:]
-    assert "restarting the workers (restart 1 of 3)" in outputs
+    # the stalled worker is restarted: with every worker (transitions that keep failing), or
+    # alone (it did not leave the aborted group within the abort's grace and ended itself)
+    assert re.search(r"restarting (the workers|it alone) \(restart [1-3] of 3\)", outputs), (
+        outputs[-8000:])
     assert "done: 300 steps" in first.output()
 
 

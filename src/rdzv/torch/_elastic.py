@@ -180,6 +180,7 @@ class ElasticState:
         link = self._link
         if link is None:
             return
+        link.beat(self._step_time)
         if now - self._reported >= PROGRESS_EVERY:
             self._reported = now
             link.send(Progress(self.step, self._step_time))

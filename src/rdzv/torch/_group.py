@@ -45,6 +45,9 @@ STORE_TIMEOUT = timedelta(minutes=5)
 """How long a new group's store waits for its members (an abort ends it sooner)."""
 WAIT_SLICE = 1.0
 """Seconds between checks that the agent is still there, while a worker waits for a plan."""
+ABORT_GRACE = 1.0
+"""Seconds (at least; three steps if steps are slower) an aborted group's pending collective
+has to fail before the worker ends itself (see :meth:`AgentLink.beat`)."""
 
 group_sockets = GroupSockets()
 """The sockets of this process's groups (to abort them when a peer is lost)."""
@@ -64,13 +67,25 @@ class GroupLost(RendezvousError):
 
 class AgentLink:
     """This worker's connection to its agent: the plans it sent, whether it aborted, and the
-    progress reports; one per process (:func:`agent_link`)."""
+    progress reports; one per process (:func:`agent_link`).
+
+    Shutting an aborted gloo group's sockets down fails its pending collective, but not always:
+    a ring step waiting for its send to complete (``UnboundBuffer::waitSend``) can wait for the
+    group's timeout (10 minutes by default) on a socket already closed. So after an abort the
+    training thread must show within the grace that it is out of the group's collectives (at a
+    step boundary, reporting the failure, or waiting for a plan: :meth:`beat`); if it does not,
+    the worker ends itself with SIGKILL, and its agent restarts it alone, as a crashed worker:
+    it rejoins from its peers, who recover in-process without it meanwhile.
+    """
 
     def __init__(self, path: str, fresh: bool) -> None:
         self.fresh = fresh
         self._cond = threading.Condition()
         self._plan: Plan | None = None
         self._gone = False
+        self._beats = 0
+        self._waiting = False
+        self._step_time = 0.0
         self._stopping = False
         self._noticed = False
         self._term = threading.Event()
@@ -88,10 +103,12 @@ class AgentLink:
             with self._cond:
                 self._plan = None  # a plan not taken yet belongs to an abandoned round
                 self._cond.notify_all()
+            beats = self._beats
             aborted = group_sockets.abort()
             if aborted:
                 logger.warning("the agent aborted the process group (a member is lost): %d "
                                "socket(s) shut down", aborted)
+                self._watch_abort(beats)
         elif isinstance(message, Stop):
             self._on_stop()
         elif isinstance(message, Closed):
@@ -101,6 +118,33 @@ class AgentLink:
 
     def send(self, message: Any) -> None:
         self.client.send(message)
+
+    # -- aborts that do not wake the training thread --------------------------------------------
+    def beat(self, step_time: float | None = None) -> None:
+        """The training thread is out of the group's collectives: called at each step boundary
+        (with the step time); :meth:`wait` counts as out too (a failed group, once left)."""
+        self._beats += 1
+        if step_time is not None:
+            self._step_time = step_time
+
+    def _watch_abort(self, beats: int) -> None:
+        grace = max(ABORT_GRACE, 3 * self._step_time)
+        threading.Thread(target=self._end_if_stuck, args=(beats, grace), daemon=True,
+                         name="rdzv-abort-watch").start()
+
+    def _end_if_stuck(self, beats: int, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self._beats != beats or self._waiting:
+                return
+            time.sleep(0.02)
+        logger.error("the aborted process group's collective still waits %.1f s after the "
+                     "abort (gloo may wait on a closed peer until the group's timeout): this "
+                     "worker ends itself; its agent restarts it alone and it rejoins from its "
+                     "peers", grace)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     # -- plans (training thread) --------------------------------------------------------------
     def peek(self) -> Plan | None:
@@ -119,14 +163,18 @@ class AgentLink:
         the agent is gone. No deadline of its own: the agent bounds every transition and stops
         its workers when one fails."""
         with self._cond:
-            while True:
-                plan = self._plan
-                if plan is not None:
-                    self._plan = None
-                    return plan, group_sockets.aborts
-                if self._gone:
-                    raise SwitchError("this worker's rdzv agent is gone")
-                self._cond.wait(WAIT_SLICE)
+            self._waiting = True  # (out of every collective)
+            try:
+                while True:
+                    plan = self._plan
+                    if plan is not None:
+                        self._plan = None
+                        return plan, group_sockets.aborts
+                    if self._gone:
+                        raise SwitchError("this worker's rdzv agent is gone")
+                    self._cond.wait(WAIT_SLICE)
+            finally:
+                self._waiting = False
 
     # -- stopping and SIGTERM ------------------------------------------------------------------
     def _watch_sigterm(self) -> None:

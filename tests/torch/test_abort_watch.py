@@ -1,0 +1,78 @@
+"""An abort that does not wake the training thread (gloo can leave a collective waiting on a
+closed peer until the group's timeout): the worker ends itself within the grace, so its agent
+restarts it alone; a worker waiting for a plan is left alone."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from rdzv._channel import ENV_CHANNEL, ChannelServer
+from rdzv._messages import Abort, Hello
+from rdzv.torch._group import ABORT_GRACE
+
+WORKER = r"""
+import socket, sys, time
+from rdzv.torch._group import agent_link, group_sockets
+link = agent_link()
+listener = socket.create_server(("127.0.0.1", 0))
+with group_sockets.recording():  # a group's connection, as init_process_group opens it
+    peer = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+print("ready", flush=True)
+if sys.argv[1] == "stuck":
+    time.sleep(60)  # a collective that the shut-down sockets do not wake
+else:
+    link.wait()  # out of every collective, waiting for its next plan
+"""
+
+
+def start(mode: str, server: ChannelServer) -> subprocess.Popen[str]:
+    env = {**os.environ, ENV_CHANNEL: server.path, "LOCAL_RANK": "0"}
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, mode], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert worker.stdout is not None and worker.stdout.readline() == "ready\n"
+    return worker
+
+
+def test_a_worker_whose_collective_outlives_the_abort_ends_itself() -> None:
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
+    worker = start("stuck", server)
+    try:
+        assert isinstance(seen.get(timeout=10)[1], Hello)
+        sent = time.monotonic()
+        assert server.send(0, Abort())
+        code = worker.wait(timeout=ABORT_GRACE + 10)
+        took = time.monotonic() - sent
+        _, err = worker.communicate(timeout=10)
+        assert code == -signal.SIGKILL, err  # the agent restarts a killed worker alone
+        assert ABORT_GRACE <= took < ABORT_GRACE + 5, took
+        assert "the agent aborted the process group (a member is lost): 2 socket(s)" in err
+        assert "collective still waits 1.0 s after the abort" in err
+        assert "its agent restarts it alone and it rejoins from its peers" in err
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+        server.close()
+
+
+def test_a_worker_waiting_for_its_plan_is_not_ended_by_an_abort() -> None:
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
+    worker = start("waiting", server)
+    try:
+        assert isinstance(seen.get(timeout=10)[1], Hello)
+        time.sleep(0.2)  # (it waits for its plan by now)
+        assert server.send(0, Abort())
+        time.sleep(ABORT_GRACE + 1.5)
+        assert worker.poll() is None, worker.communicate(timeout=10)
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+        server.close()
