@@ -243,9 +243,14 @@ class RendezvousContract:
                        "the stale sealer running again")
         # The stale node either joins again as a new node (a and c see it waiting for round
         # 1), or, where its store cannot give it a new session (FileStore), fails clearly.
+        # (it may stop itself once more: it had found no ".go" just before, and a loaded
+        # machine ran it only later; so it is resumed whenever it is seen stopped)
+        def outcome() -> bool:
+            if process_state(stale.pid) == "T":
+                stale.resume()
+            return stale_pending.done() or a.call("waiting") >= 1
         try:
-            eventually(lambda: stale_pending.done() or a.call("waiting") >= 1, AT_ONCE,
-                       "the stale node's outcome")
+            eventually(outcome, AT_ONCE, "the stale node's outcome")
         except AssertionError as exc:
             raise AssertionError(f"{exc} (its process state: {process_state(stale.pid)})")
         store, keys = cluster.raw_store(), RunKeys("job")
