@@ -19,6 +19,12 @@ or with torch's agent on rdzv's rendezvous:
         --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job examples/elastic_train.py
 
 Start the same command on another machine (or terminal) to grow the job; stop one to shrink it.
+
+Faults to try rdzv's health checks with, set in the environment of one node's ``rdzv run``:
+``RDZV_EXAMPLE_SLOW=0.05`` adds 0.05 s of work to each of its steps (a slow node: rdzv flags it
+as a straggler, and replaces it with ``--replace-stragglers`` when a spare waits);
+``RDZV_EXAMPLE_HANG_AT=100`` makes its workers hang at step 100 in their own code (rdzv ends
+them after ``--hang-timeout`` and the others go on without them).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -123,6 +130,8 @@ def main() -> None:
     parser.add_argument("--model-mb", type=float, default=0.0,
                         help="add this many MB of frozen weights to the model (benchmarks)")
     args = parser.parse_args()
+    slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
+    hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     inputs, targets = make_dataset()
@@ -166,6 +175,9 @@ def main() -> None:
         """The training loop; state.run() calls it again after the group lost a member."""
         global_loss = torch.tensor(float("nan"))
         for step in state.steps(args.steps):
+            if step == hang_at:
+                print(f"rank {state.rank} hangs at step {step} (RDZV_EXAMPLE_HANG_AT)", flush=True)
+                threading.Event().wait()  # a deadlock in the program's own code
             rank, world_size = state.rank, state.world_size
             indices = shard(step, args.batch_size, rank, world_size)
             optimizer.zero_grad()
@@ -184,8 +196,8 @@ def main() -> None:
                                                  "loss": global_loss.item(), "time": time.time()}) + "\n")
             if rank == 0 and (done % args.save_every == 0 or done == args.steps):
                 save_checkpoint(args.checkpoint, model, optimizer, done)
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+            if args.step_sleep or slow:
+                time.sleep(args.step_sleep + slow)
         return global_loss
 
     global_loss = state.run(train)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -29,6 +31,16 @@ ENV_JOIN = "RDZV_INPROCESS_JOIN"
 """Set (to 1) for a worker started to join a running group in-process: it holds no state and
 takes its rank and group from its agent's :class:`~._messages.Plan`, not from its environment."""
 MAX_LINE = 1 << 20
+STACKS_SIGNAL = signal.SIGUSR2
+"""On this signal a worker using the in-process API writes the Python stack of every thread to
+:func:`stacks_file` (``rdzv.torch`` registers Python's faulthandler for it: it writes even while
+the training thread is stuck in native code); its agent asks so when the worker hangs."""
+
+
+def stacks_file(channel: str, local_rank: int) -> str:
+    """Where the worker of ``local_rank`` writes its stacks: beside its agent's channel socket,
+    in a directory only the agent's user can open."""
+    return os.path.join(os.path.dirname(channel), f"stacks-{local_rank}.txt")
 
 
 def _hang_up(sock: socket.socket) -> None:
@@ -155,11 +167,7 @@ class ChannelServer:
     def close(self) -> None:
         self.forget()
         _hang_up(self._listener)
-        for path in (self.path, self._dir):
-            try:
-                os.unlink(path) if path == self.path else os.rmdir(path)
-            except OSError:
-                pass
+        shutil.rmtree(self._dir, ignore_errors=True)  # the socket, the workers' stack files
 
 
 class ChannelClient:

@@ -7,10 +7,14 @@ agent -> worker:
     :class:`Abort`  a member of the worker's group is gone: abort the group now (a collective
                     waiting on the lost peer fails instead of waiting for the group's timeout).
     :class:`Stop`   the agent stops its workers: exit now (the agent's SIGTERM follows).
+    :class:`Probe`  the worker made no progress for a while: say where its training thread is.
 worker -> agent:
     :class:`Hello`     connected: ``fresh`` when the worker holds no training state yet (it was
                        started to join a running group).
-    :class:`Progress`  completed ``step`` and the recent ``step_time``.
+    :class:`Progress`  completed ``step``, the recent ``step_time`` and how it splits into
+                       ``compute`` and ``wait`` for the others (``rdzv.torch._steptime``).
+    :class:`Where`     the answer to a Probe: whether the training thread waits for its peers
+                       (in a collective) or is in its own code, and where.
     :class:`Broken`    its group failed at ``step``; it waits for the next plan.
     :class:`Entered`   it is in the group of round ``round`` (``ms``: its pause).
     :class:`Left`      it left the job at ``step`` (its node leaves).
@@ -82,6 +86,11 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Probe:
+    TYPE: ClassVar[str] = "probe"
+
+
+@dataclass(frozen=True)
 class Hello:
     local_rank: int
     pid: int
@@ -93,7 +102,21 @@ class Hello:
 class Progress:
     step: int
     step_time: float | None = None
+    compute: float | None = None
+    """Seconds per step in the worker's own code (the recent steps' mean; None: unknown)."""
+    wait: float | None = None
+    """Seconds per step waiting for the other ranks (the gradients' reduction)."""
     TYPE: ClassVar[str] = "progress"
+
+
+@dataclass(frozen=True)
+class Where:
+    step: int
+    waiting: bool
+    """The training thread waits for its peers (in a collective), not in its own code."""
+    frame: str = ""
+    """Its innermost frame of the training script or library, as ``file:line in function``."""
+    TYPE: ClassVar[str] = "where"
 
 
 @dataclass(frozen=True)
@@ -143,11 +166,11 @@ class Closed:
     TYPE: ClassVar[str] = "closed"
 
 
-ToWorker = Union[Plan, Abort, Stop]
-ToAgent = Union[Hello, Progress, Broken, Entered, Left, Failed, Term]
-TO_WORKER: dict[str, type] = {cls.TYPE: cls for cls in (Plan, Abort, Stop)}
-TO_AGENT: dict[str, type] = {cls.TYPE: cls for cls in (Hello, Progress, Broken, Entered, Left,
-                                                      Failed, Term)}
+ToWorker = Union[Plan, Abort, Stop, Probe]
+ToAgent = Union[Hello, Progress, Where, Broken, Entered, Left, Failed, Term]
+TO_WORKER: dict[str, type] = {cls.TYPE: cls for cls in (Plan, Abort, Stop, Probe)}
+TO_AGENT: dict[str, type] = {cls.TYPE: cls for cls in (Hello, Progress, Where, Broken, Entered,
+                                                      Left, Failed, Term)}
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "int | None": (int, type(None)), "float": (int, float),
     "float | None": (int, float, type(None)), "str": (str,), "bool": (bool,),

@@ -79,6 +79,13 @@ class LaunchConfig:
     """Seconds an in-process switch may take before the agents restart the workers instead."""
     leave_grace: float = 30.0
     """Seconds a node asked to leave (SIGTERM, SIGINT) keeps training while the others move on."""
+    hang_timeout: float | None = None
+    """Seconds a worker may make no progress before it is checked for a hang (None: derived
+    from its step time; 0: off)."""
+    straggler_factor: float = 1.5
+    """A node whose steps take this many times the others' own work is a straggler (0: off)."""
+    replace_stragglers: bool = False
+    """Ask a straggler to leave when a spare can take its place."""
 
 
 # (dest, flags, help, kind, default); kind: str, int, float, flag.
@@ -113,6 +120,16 @@ _OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
     ("leave_grace", ("--leave-grace", "--leave_grace"),
      "Seconds a node asked to leave by SIGTERM or SIGINT keeps training while the other "
      "nodes form the next round without it (a second signal stops it at once).", "float", 30.0),
+    ("hang_timeout", ("--hang-timeout", "--hang_timeout"),
+     "Seconds a worker using rdzv.torch.ElasticState may make no progress before it is "
+     "declared hung (its stacks logged, it is ended and the others recover without it): auto "
+     "(20 of its slowest steps, at least 60 s), a number, or 0 (off).", "str", "auto"),
+    ("straggler_factor", ("--straggler-factor", "--straggler_factor"),
+     "A node whose own work per step stays this many times the other nodes' (over about 15 s) "
+     "is flagged as a straggler (0: off).", "float", 1.5),
+    ("replace_stragglers", ("--replace-stragglers", "--replace_stragglers"),
+     "Ask a straggler to leave gracefully when a spare node waits to take its place "
+     "(in-process, at a step boundary).", "flag", False),
     ("node_rank", ("--node-rank", "--node_rank"), "This node's rank (static jobs).", "int", None),
     ("master_addr", ("--master-addr", "--master_addr"),
      "Address of the node with rank 0 (static jobs).", "str", None),
@@ -385,7 +402,24 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                                "--switch-timeout 60"),
         leave_grace=_number(float, raw("leave_grace"), source("leave_grace"), 0,
                             "--leave-grace 30"),
+        hang_timeout=_hang_timeout(raw("hang_timeout"), source("hang_timeout")),
+        straggler_factor=_straggler_factor(raw("straggler_factor"), source("straggler_factor")),
+        replace_stragglers=bool(raw("replace_stragglers")),
     )
+
+
+def _hang_timeout(raw: Any, source: str) -> float | None:
+    if str(raw).strip().lower() == "auto":
+        return None
+    return float(_number(float, raw, source, 0, "--hang-timeout 120 (0: off, auto: derived)"))
+
+
+def _straggler_factor(raw: Any, source: str) -> float:
+    factor = float(_number(float, raw, source, 0, "--straggler-factor 1.5 (0: off)"))
+    if 0 < factor <= 1:
+        raise ConfigError(source, f"must be above 1 (a node that many times slower than the "
+                                  f"others), or 0 to turn the check off; got {raw!r}")
+    return factor
 
 
 def _role(raw: str, source: str) -> str:

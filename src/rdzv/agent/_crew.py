@@ -5,12 +5,14 @@ protocol's events only while the workers that sent them are the node's current o
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._channel import ChannelServer
-from .._messages import Abort, Entered, Plan, PlanKind, Stop
+from .._channel import STACKS_SIGNAL, ChannelServer, stacks_file
+from .._messages import Abort, Entered, Plan, PlanKind, Probe, Stop
 from ._protocol import FromWorker
 from ._records import Assignment
 from ._workers import WorkerExited, WorkerGroup
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 SLOW_ENTRY_MS = 1000.0
 """A worker that took longer than this to enter a group: the console says where the time went."""
+STACKS_WAIT = 1.0
+"""Seconds the workers get to write their stacks."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,43 @@ class Crew:
         self._entered.clear()
         for lr, plan in plans:
             self._link.send(lr, plan)
+
+    def probe(self, local_rank: int) -> None:
+        self._link.send(local_rank, Probe())
+
+    def stacks(self) -> dict[int, str]:
+        """Every connected worker's Python stacks (all threads), by local rank: each writes them
+        itself on :data:`STACKS_SIGNAL` (a worker that never prepared for it is not asked)."""
+        if self.group is None:
+            return {}
+        files = {lr: stacks_file(self._link.path, lr) for lr in sorted(self._link.connected())}
+        asked = {}
+        for lr, path in files.items():
+            if not os.path.exists(path):
+                continue
+            with open(path, "w"):  # empty it: a stack dumped before is no news
+                pass
+            if self.group.send_signal(lr, STACKS_SIGNAL, group=False):
+                asked[lr] = path
+        texts: dict[int, str] = {}
+        sizes = dict.fromkeys(asked, -1)
+        deadline = time.monotonic() + STACKS_WAIT
+        while len(texts) < len(asked) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (a signal handler in native code writes them at once)
+            for lr, path in asked.items():
+                size = os.path.getsize(path)
+                if size and size == sizes[lr]:
+                    texts.setdefault(lr, "")
+                sizes[lr] = size
+        for lr, path in asked.items():
+            with open(path) as handle:
+                texts[lr] = handle.read().rstrip() or "(the worker wrote no stack)"
+        return texts
+
+    def kill(self, local_rank: int) -> None:
+        """End one worker (and what it started) at once."""
+        if self.group is not None:
+            self.group.send_signal(local_rank, signal.SIGKILL)
 
     def send_leave(self, gen: int, step: int) -> None:
         for lr in self._link.connected():

@@ -95,7 +95,8 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     """The workers run in round ``gen``: take up what waited for the transition's end."""
     node = replace(node, phase=Phase.RUNNING, deadline=math.inf, record_final=False)
     if node.leave is not None and not node.leave.announced:
-        moved, more = signalled(node, Signalled(node.leave.signum), now, rules, pending=True)
+        moved, more = signalled(node, Signalled(node.leave.signum, node.leave.notice), now, rules,
+                                pending=True)
         return moved, acts + more
     if any(s.state is Worker.FRESH for s in node.slots):
         moved, acts = bring_in(node, acts, now)
@@ -164,9 +165,9 @@ def signalled(node: Node, event: Signalled, now: float, rules: Rules,
     if node.phase is Phase.FINISHED or not node.live:
         return stop_now(node, signum, "")
     if node.phase is not Phase.RUNNING:  # leave once the transition is over
-        return replace(node, leave=Leave(signum, now + rules.leave_grace)), [say(
-            f"{signals.Signals(signum).name} received during a transition: this node leaves "
-            "once it is over")]
+        notice = event.notice or f"{signals.Signals(signum).name} received"
+        return replace(node, leave=Leave(signum, now + rules.leave_grace, notice=event.notice)), [
+            say(f"{notice} during a transition: this node leaves once it is over")]
     if node.nodes < 2:
         return stop_now(node, signum, " (this node is alone in its round)")
     if node.nodes - 1 < rules.min_nodes:
@@ -178,7 +179,8 @@ def signalled(node: Node, event: Signalled, now: float, rules: Rules,
                                        "serve` apart)")
     deadline = node.leave.deadline if node.leave is not None else now + rules.leave_grace
     name = signals.Signals(signum).name
+    notice = event.notice or f"{name} received"
     return replace(node, leave=Leave(signum, deadline, announced=True)), [
-        say(f"{name} received: leaving the job (grace {rules.leave_grace:g} s); the other "
+        say(f"{notice}: leaving the job (grace {rules.leave_grace:g} s); the other "
              f"nodes form the next round without this node while its workers keep training "
-             f"({name} again stops it at once)"), act("announce")]
+             f"({name} stops it at once)"), act("announce")]

@@ -24,8 +24,8 @@ from ..errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
-    RendezvousTimeoutError,
     RendezvousStateError,
+    RendezvousTimeoutError,
     SessionExpiredError,
 )
 from ..rendezvous import RendezvousInfo
@@ -33,6 +33,8 @@ from ..store import Store
 from ._crew import Crew, Said
 from ._decide import DecideContext
 from ._errors import WorkerFailure, failure_summary
+from ._hang import hang_due
+from ._health import Health, PerfSeen
 from ._history import (
     MAX_FAILURES,
     failure_fields,
@@ -116,9 +118,11 @@ class NodeRun:
         self.agent, self.config, self.handler = agent, config, agent.handler
         self.events = agent.events
         self.rules = Rules(config.nproc_per_node, config.max_restarts, config.switch_timeout,
-                           config.leave_grace, config.restart_on_change, config.min_nodes)
+                           config.leave_grace, config.restart_on_change, config.min_nodes,
+                           hang_timeout=config.hang_timeout)
         self.node = Node(slots=(Slot(state=Worker.GONE),) * config.nproc_per_node)
         self.crew = Crew(agent)
+        self.health = Health(agent, self.crew, str(getattr(self.handler, "node_id", "")))
         self.info: RendezvousInfo | None = None
         """The round the node is in (formed last)."""
         self.group_info: RendezvousInfo | None = None
@@ -148,12 +152,17 @@ class NodeRun:
             except queue.Empty:
                 event = Tick()
             event = self._translate(event)
-            if event is None:
-                continue
-            self.node, acts = step(self.node, event, time.monotonic(), self.rules)
-            for action in acts:
-                self._do(action)
+            if event is not None:
+                self._step(event)
+            if not isinstance(event, Tick) and self.exit_code is None and \
+                    self._due() <= time.monotonic():  # (a stream of events holds no time up)
+                self._step(Tick())
         return self.exit_code
+
+    def _step(self, event: Any) -> None:
+        self.node, acts = step(self.node, event, time.monotonic(), self.rules)
+        for action in acts:
+            self._do(action)
 
     def close(self) -> None:
         self._unwatch()
@@ -164,9 +173,13 @@ class NodeRun:
             if client is not None:
                 client.close()
 
+    def _due(self) -> float:
+        """When the protocol next needs a Tick for a deadline of its own."""
+        return min(self.node.deadline, hang_due(self.node, self.rules))
+
     def _wait(self) -> float:
         node, now = self.node, time.monotonic()
-        deadlines = [node.deadline, now + PROGRESS_INTERVAL]
+        deadlines = [self._due(), now + PROGRESS_INTERVAL]
         if node.leave is not None:
             deadlines.append(node.leave.deadline)
         if node.phase is Phase.FORMING:
@@ -181,6 +194,10 @@ class NodeRun:
             return self._exited(event) if self.crew.current(event) else None
         if isinstance(event, Said):
             return self.crew.said(event)
+        if isinstance(event, PerfSeen):
+            if self.info is not None and event.gen == self.node.gen:
+                self.health.assess(self.handler, self.info, event)
+            return None
         if isinstance(event, Tick) and self.node.phase is Phase.FORMING:
             self._say_waiting()
         return event
@@ -216,6 +233,7 @@ class NodeRun:
                 record(self.handler, "worker_failed", **failure_fields(failure))
             if failure.error is not None and failure.error.message:
                 error = failure.error.message.strip().splitlines()[0][:200]
+            error = self.health.ended.pop(event.local_rank, error)
         return Exited(event.local_rank, event.returncode, error)
 
     def _say_waiting(self) -> None:
@@ -280,7 +298,8 @@ class NodeRun:
         if self._membership is None:
             ttl = session_ttl(self.config.rdzv_conf)
             self._membership = Watcher(f"rdzv-membership-{gen}", watch_membership(
-                self.handler, info.store, gen, post, lambda: mark_alive(info),
+                self.handler, info.store, gen, post,
+                lambda spares: self.health.beat(info, gen, self.node, spares, post),
                 heartbeat_every(ttl), self.config.monitor_interval))
         if self._round_watcher is None and transition:
             self._round_watcher = Watcher(f"rdzv-round-{gen}", watch_round(
@@ -365,6 +384,12 @@ class NodeRun:
 
     def _act_abort(self) -> None:
         self.crew.abort()
+
+    def _act_probe(self, local_rank: int) -> None:
+        self.crew.probe(local_rank)
+
+    def _act_hung(self, local_rank: int, *report: Any) -> None:
+        self.health.hung(self.handler, local_rank, *report)
 
     def _act_start(self, join: bool) -> None:
         node = self.node

@@ -78,6 +78,20 @@ class Slot:
     step: int | None = None
     step_time: float | None = None
     sampled: float = 0.0
+    """When the worker last made progress (a step reported, a group entered, connected)."""
+    longest: float = 0.0
+    """The slowest step time it reported (the default hang timeout follows it)."""
+    compute: float | None = None
+    wait: float | None = None
+    """Its recent seconds per step in its own code and waiting for the others."""
+    probed: float | None = None
+    """When it was asked where it is, silent too long (None: no question pending)."""
+    recheck: float = 0.0
+    """It waits in a collective for another rank: when to ask again."""
+    noted: bool = False
+    """That wait was said on the console."""
+    hung: bool = False
+    """Declared hung: it is being ended."""
     join: bool = False
     """Started to join a running group (it takes its rank from its plan): nobody waits for it;
     it is absent from the rounds until it is warm (connected), then its node brings it in."""
@@ -124,6 +138,9 @@ class Rules:
     restart_on_change: bool = False
     min_nodes: int = 1
     hosts_store: bool = False
+    hang_timeout: float | None = None
+    """Seconds without progress before a worker is checked for a hang (None: derived from its
+    step time, ``_hang.py``; 0: no watch)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,8 @@ class Leave:
     together, is the same notice, not a second one."""
     step: int | None = None
     """The step at which the workers stop (the others' switch step), once known."""
+    notice: str = ""
+    """Who asked, if not a signal (see :class:`Signalled`)."""
 
 
 @dataclass(frozen=True)
@@ -283,6 +302,15 @@ class Exited:
 @dataclass(frozen=True)
 class Signalled:
     signum: int
+    notice: str = ""
+    """Who asks this node to leave, if not a signal (a straggler replaced: ``Evicted``)."""
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """Group rank 0 asks this node to leave gracefully (``why``): a spare takes its place."""
+
+    why: str
 
 
 @dataclass(frozen=True)
@@ -318,7 +346,8 @@ class AllFinished:
 
 
 Event = Union[Formed, FormFailed, Hinted, RecordsIn, Decided, Assigned, Abandoned, Changed,
-              FromWorker, Exited, Signalled, Expired, LeaveFailed, NextSeen, Tick, AllFinished]
+              FromWorker, Exited, Signalled, Evicted, Expired, LeaveFailed, NextSeen, Tick,
+              AllFinished]
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -332,7 +361,9 @@ class Act:
     ``abort``, ``start`` (workers: join?), ``replace`` (local rank: a crashed worker, alone),
     ``stop`` (signal), ``announce`` (this node leaves), ``leave_plans`` (step), ``next``
     (tell the old round's leavers), ``adopt`` (the workers run in the round), ``done``
-    (mark finished), ``close`` (reason), ``exit`` (code), ``say`` (text), ``event`` (history).
+    (mark finished), ``close`` (reason), ``exit`` (code), ``say`` (text), ``event`` (history),
+    ``probe`` (local rank: where is it?), ``hung`` (local rank, global rank, step, silent s,
+    why, frame).
     """
 
     what: str

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 from ..rendezvous import RendezvousInfo
 from ..rendezvous._node import PortReservation
-from ..rendezvous._status import AGENT_ALIVE, AGENT_LEAVING
+from ..rendezvous._status import AGENT_ALIVE, AGENT_LEAVING, AGENT_STRAGGLERS
 from ..store import Store
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,10 @@ LEAVING_DIR = AGENT_LEAVING
 SEEN_DIR = "agent/seen/"
 """The same sign of life as ``ALIVE_DIR`` but lasting: when a node's alive entry vanishes, how
 long it had been silent tells a lost connection from missed heartbeats (the history)."""
+STRAGGLER_DIR = AGENT_STRAGGLERS
+"""Group rank 0 flags a straggler here: its group rank -> the ratio of its work to the others'."""
+EVICT_DIR = "agent/evict/"
+"""Group rank 0 asks a node (its group rank) to leave for a spare here; the node reads it."""
 HEARTBEAT_EVERY = 5.0
 """Seconds between refreshes of a node's ``ALIVE_DIR`` entry while its workers run."""
 
@@ -43,10 +48,11 @@ def reserve_workers_port(addr: str) -> int:
     return _workers_port.port
 
 
-def mark_alive(info: RendezvousInfo) -> None:
-    """Write this node's sign of life (the time now); gone when its store session ends (its
-    lasting copy, ``SEEN_DIR``, stays: one message with the alive entry)."""
-    stamp = json.dumps({"time": time.time()})
+def mark_alive(info: RendezvousInfo, perf: dict[str, Any] | None = None) -> None:
+    """Write this node's sign of life (the time now, and ``perf``: its workers' step times);
+    gone when its store session ends (its lasting copy, ``SEEN_DIR``, stays: one message with
+    the alive entry)."""
+    stamp = json.dumps({"time": time.time(), **(perf or {})})
     with info.store.batch():
         info.store.set(f"{ALIVE_DIR}{info.rank}", stamp, ephemeral=True)
         info.store.set(f"{SEEN_DIR}{info.rank}", stamp)

@@ -10,6 +10,7 @@ import signal as signals
 from dataclasses import replace
 from typing import Any
 
+from ._hang import check_hangs
 from ._moves import (
     CONNECT_GRACE,
     EXIT_BARRIER_TIMEOUT,
@@ -34,6 +35,7 @@ from ._protocol import (
     Assigned,
     Changed,
     Decided,
+    Evicted,
     Exited,
     Expired,
     Formed,
@@ -56,7 +58,6 @@ from ._protocol import (
 )
 from ._records import Kind
 from ._worker_rules import on_exit, on_leave_failed, on_next, on_worker
-
 
 
 def step(node: Node, event: Any, now: float, rules: Rules) -> Result:
@@ -233,6 +234,12 @@ def _on_expired(node: Node, event: Expired, now: float, rules: Rules) -> Result:
 
 
 def _on_tick(node: Node, event: Tick, now: float, rules: Rules) -> Result:
+    node, acts = check_hangs(node, now, rules)
+    moved, more = _on_time(node, now, rules)
+    return moved, acts + more
+
+
+def _on_time(node: Node, now: float, rules: Rules) -> Result:
     leave = node.leave
     if leave is not None and now >= leave.deadline:
         return exit_with(node, 0, say(f"leaving: the grace period of {rules.leave_grace:g} s ended "
@@ -266,6 +273,20 @@ def _on_tick(node: Node, event: Tick, now: float, rules: Rules) -> Result:
     if node.phase is Phase.ENTERING:
         return abandon(node, f"the workers did not enter the new group within {timeout}")
     return node, []
+
+
+def _on_evicted(node: Node, event: Evicted, now: float, rules: Rules) -> Result:
+    """Asked to leave for a spare: a graceful leave, where one is possible; else it stays."""
+    why = ("it is already leaving" if node.leave is not None else
+           "it is alone in its round" if node.nodes < 2 else
+           f"the others cannot go on without it (min nodes {rules.min_nodes})"
+           if node.nodes - 1 < rules.min_nodes else
+           "it serves the rendezvous store" if rules.hosts_store else
+           "its workers have finished" if node.phase is Phase.FINISHED or not node.live else None)
+    if why is not None:
+        return node, [say(f"asked to leave ({event.why}), but {why}: staying")]
+    return signalled(node, Signalled(signals.SIGTERM, f"asked to leave ({event.why})"), now,
+                     rules)
 
 
 def _on_unreadable(node: Node, event: Unreadable, now: float, rules: Rules) -> Result:
@@ -303,7 +324,7 @@ _HANDLERS: dict[type, Any] = {
     Formed: _on_formed, FormFailed: _on_form_failed, Hinted: _on_hinted,
     RecordsIn: _on_records, Decided: _on_decided, Assigned: _on_assigned,
     Abandoned: _on_abandoned, Changed: _on_changed, FromWorker: on_worker, Exited: on_exit,
-    Signalled: signalled, Expired: _on_expired, LeaveFailed: on_leave_failed,
+    Signalled: signalled, Evicted: _on_evicted, Expired: _on_expired, LeaveFailed: on_leave_failed,
     NextSeen: on_next, Tick: _on_tick, AllFinished: _on_all_finished,
     Unreadable: _on_unreadable,
 }

@@ -69,19 +69,20 @@ class Watcher:
 
 
 def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
-                     post: Callable[[Any], None], heartbeat: Callable[[], None], every: float,
+                     post: Callable[[Any], None], heartbeat: Callable[[int], None], every: float,
                      wait_slice: float) -> Callable[[threading.Event], None]:
     """A watcher body posting :class:`Changed` each time round ``gen``'s membership differs
     from what it last posted (edge-triggered), and refreshing this node's sign of life every
-    ``every`` seconds. ``store`` is the round's store (for the count of leaving members)."""
+    ``every`` seconds (``heartbeat(spares)``: the spares seen waiting last). ``store`` is the
+    round's store (for the count of leaving members)."""
 
     def body(stopped: threading.Event) -> None:
-        since, last, beat = 0, None, time.monotonic()
+        since, last, beat, spares = 0, None, time.monotonic(), 0
         while not stopped.is_set():
             try:
                 if time.monotonic() - beat >= every:
                     beat = time.monotonic()
-                    heartbeat()
+                    heartbeat(spares)
                 seen = handler.membership(since, wait_slice)
                 if seen is None:  # a backend without counts: any change is news
                     if handler.wait_for_membership_change(wait_slice):
@@ -91,6 +92,7 @@ def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
                 view, since = seen
                 if stopped.is_set():
                     return
+                spares = max(0, view.waiting - view.moved)
                 leaving = store.count_keys(LEAVING_DIR) if view.alive < view.world_size else 0
                 change = Changed(gen, lost=max(0, view.world_size - view.alive - leaving),
                                  leaving=leaving, waiting=view.newcomers, moved=view.moved,

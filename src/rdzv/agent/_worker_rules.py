@@ -7,7 +7,8 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import replace
 
-from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Term
+from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Term, Where
+from ._hang import on_where
 from ._moves import (
     EXIT_BARRIER_TIMEOUT,
     TRANSITIONS,
@@ -37,6 +38,7 @@ from ._protocol import (
     Result,
     Rules,
     Signalled,
+    Slot,
     Worker,
     act,
 )
@@ -48,11 +50,20 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
     if not 0 <= lr < len(node.slots):
         return node, []
     slot = node.slots[lr]
-    if isinstance(message, Hello):
-        return on_hello(with_slot(replace(node, inprocess=True), lr, state=Worker.FRESH if (
-            slot.join or message.fresh) else Worker.RUNNING, step=None), lr, now, rules)
+    if isinstance(message, Hello):  # a new process: nothing of the slot's last one holds
+        node = replace(node, inprocess=True)
+        slots = list(node.slots)
+        slots[lr] = Slot(state=Worker.FRESH if slot.join or message.fresh else Worker.RUNNING,
+                         sampled=now, join=slot.join)
+        return on_hello(replace(node, slots=tuple(slots)), lr, now, rules)
     if isinstance(message, Progress):
-        return with_slot(node, lr, step=message.step, step_time=message.step_time, sampled=now), []
+        step_time = message.step_time
+        longest = max(slot.longest, step_time) if step_time is not None else slot.longest
+        return with_slot(node, lr, step=message.step, step_time=step_time, longest=longest,
+                         compute=message.compute, wait=message.wait, sampled=now, probed=None,
+                         recheck=0.0, noted=False), []
+    if isinstance(message, Where):
+        return on_where(node, lr, message, now, rules)
     if isinstance(message, Broken):
         node = with_slot(node, lr, state=Worker.FRESH if message.fresh else Worker.BROKEN,
                      step=None if message.fresh else message.step)

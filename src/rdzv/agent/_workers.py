@@ -235,6 +235,21 @@ class WorkerGroup:
         return self._workers[local_rank].end_time
 
     # -- stopping -------------------------------------------------------------------------------
+    def send_signal(self, local_rank: int, signum: int, group: bool = True) -> bool:
+        """Send ``signum`` to one running worker (its process group, or only its process);
+        whether it was running."""
+        worker = self._workers.get(local_rank)
+        if worker is None or worker.exited.is_set():
+            return False
+        if group:
+            _signal_group(worker.process.pid, signum)
+        else:
+            try:
+                os.kill(worker.process.pid, signum)
+            except ProcessLookupError:
+                return False
+        return True
+
     def signal_all(self, signum: int) -> None:
         """Send ``signum`` to the process group of every worker still running."""
         for worker in self._workers.values():

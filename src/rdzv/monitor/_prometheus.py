@@ -228,9 +228,24 @@ def _run_families(core: Any, runs: list[tuple[str, "RunStatus", RunTotals]]) -> 
     corrupt = core.GaugeMetricFamily(
         "rdzv_run_history_corrupt_records", "Records of the history that cannot be read (skipped)",
         labels=["run"])
+    node_gauges = {
+        name: core.GaugeMetricFamily(f"rdzv_node_{name}", doc, labels=["run", "group_rank", "host"])
+        for name, doc in (
+            ("step_seconds", "Seconds per step of the node's workers (as of its last sign of life)"),
+            ("work_seconds", "Of a step: the node's own work (the rest waits for the other nodes)"),
+            ("straggler", "1 while the node is flagged as a straggler"),
+        )
+    }
     formation: list[tuple[list[str], HistogramSnapshot]] = []
     pauses: list[tuple[list[str], HistogramSnapshot]] = []
     for run_id, status, totals in runs:
+        for member in status.members:
+            labels = [run_id, str(member.rank), member.host or ""]
+            if member.step_time is not None:
+                node_gauges["step_seconds"].add_metric(labels, member.step_time)
+            if member.compute is not None:
+                node_gauges["work_seconds"].add_metric(labels, member.compute)
+            node_gauges["straggler"].add_metric(labels, int(member.straggler is not None))
         values = {
             "round": -1 if status.round is None else status.round,
             "world_size_nodes": status.world_size,
@@ -252,6 +267,7 @@ def _run_families(core: Any, runs: list[tuple[str, "RunStatus", RunTotals]]) -> 
         formation.append(([run_id], totals.formation.snapshot()))
         pauses.extend(([run_id, cause], h.snapshot()) for cause, h in sorted(totals.pauses.items()))
     yield from gauges.values()
+    yield from node_gauges.values()
     yield from (rounds, events, failures, fallbacks, corrupt)
     yield _histogram(core, "rdzv_run_round_formation_seconds",
                      "Seconds each round took to form", formation, ["run"])

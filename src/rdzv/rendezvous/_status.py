@@ -25,6 +25,8 @@ AGENT_ALIVE = "agent/alive/"
 """Where each agent refreshes the wall time of its last sign of life (ephemeral keys)."""
 AGENT_LEAVING = "agent/leaving/"
 """Where an agent that leaves the job gracefully says so (one key per group rank)."""
+AGENT_STRAGGLERS = "agent/straggler/"
+"""Where group rank 0's agent flags the stragglers (one key per group rank, while flagged)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,13 @@ class MemberStatus:
     """How long its join took."""
     leaving: bool = False
     """It announced that it leaves (graceful scale-in): the next round forms without it."""
+    step: int | None = None
+    step_time: float | None = None
+    """Seconds per step of its workers, as of its last sign of life."""
+    compute: float | None = None
+    """Of ``step_time``: its workers' own work (the rest: waiting for the other nodes)."""
+    straggler: float | None = None
+    """Flagged as a straggler: its work per step over the other nodes' (None: not flagged)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,8 @@ class RunStatus:
         """:meth:`as_dict` less the ages that grow by themselves: equal means nothing happened."""
         shape = self.as_dict()
         shape["members"] = [
-            {k: v for k, v in m.items() if k not in ("started_s_ago", "last_seen_s_ago")}
+            {k: v for k, v in m.items() if k not in ("started_s_ago", "last_seen_s_ago", "step",
+                                                     "step_time", "compute")}
             for m in shape["members"]
         ]
         return shape
@@ -135,13 +145,25 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
             continue  # not an agent's entry: show the member without details
     seen_dir = f"{keys.user(sealed)}/{AGENT_ALIVE}"
     last_seen: dict[int, float] = {}
+    perf: dict[int, dict[str, Any]] = {}
     for key, raw in store.list_keys(seen_dir).items():
         try:
-            stamp = json.loads(raw).get("time")
-            if isinstance(stamp, (int, float)):
-                last_seen[int(key[len(seen_dir):])] = stamp
+            entry = json.loads(raw)
+            rank = int(key[len(seen_dir):])
+            stamp = entry.get("time")
         except (ValueError, AttributeError):
             continue  # not an agent's entry: its age stays unknown
+        if isinstance(stamp, (int, float)):
+            last_seen[rank] = stamp
+        perf[rank] = {name: entry[name] for name in ("step", "step_time", "compute")
+                      if isinstance(entry.get(name), (int, float))}
+    stragglers_dir = f"{keys.user(sealed)}/{AGENT_STRAGGLERS}"
+    stragglers: dict[int, float] = {}
+    for key, raw in store.list_keys(stragglers_dir).items():
+        try:
+            stragglers[int(key[len(stragglers_dir):])] = float(json.loads(raw)["ratio"])
+        except (ValueError, KeyError, TypeError):
+            continue
     leaving_dir = f"{keys.user(sealed)}/{AGENT_LEAVING}"
     leaving = {key[len(leaving_dir):] for key in store.list_keys(leaving_dir)}
     # A member's rank key goes once it joins the next round (in the background while its
@@ -167,6 +189,8 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
             last_seen_s_ago=round(now - last_seen[rank], 3) if rank in last_seen else None,
             join_s=entry.get("join_s"),
             leaving=str(rank) in leaving,
+            straggler=stragglers.get(rank),
+            **perf.get(rank, {}),
         ))
     members.sort(key=lambda m: m.rank)
     joins = [m.join_s for m in members if isinstance(m.join_s, (int, float))]
@@ -188,14 +212,20 @@ def format_status(status: RunStatus) -> str:
     lines.append(f"  round {status.round}: {status.world_size} node(s){took}; workers' master "
                  f"{status.master or '?'}")
     lines.append(f"  {'rank':>4}  {'alive':7}  {'host':24} {'pid':>8}  {'workers':>7}  "
-                 f"{'up':>8}  {'seen':>8}")
+                 f"{'up':>8}  {'seen':>8}  {'step':>7}  {'s/step':>7}  {'work':>7}")
     for member in status.members:
         up = f"{member.started_s_ago:.0f} s" if member.started_s_ago is not None else "?"
         seen = (f"{member.last_seen_s_ago:.0f} s ago" if member.last_seen_s_ago is not None
                 else "?")
+        step = str(member.step) if member.step is not None else "-"
+        step_time = f"{member.step_time:.3f}" if member.step_time is not None else "-"
+        work = f"{member.compute:.3f}" if member.compute is not None else "-"
+        flag = (f"  straggler ({member.straggler:.1f}x the others' work)"
+                if member.straggler is not None else "")
         lines.append(f"  {member.rank:>4}  {_liveness(member, status):7}  "
                      f"{member.host or '?':24} {member.pid or '?':>8}  "
-                     f"{member.nproc or '?':>7}  {up:>8}  {seen:>8}")
+                     f"{member.nproc or '?':>7}  {up:>8}  {seen:>8}  {step:>7}  "
+                     f"{step_time:>7}  {work:>7}{flag}")
     if status.spares:
         lines.append(f"  {status.spares} spare node(s) waiting: the job runs at its maximum of "
                      f"{status.max_nodes}; a spare takes the place of a member that leaves or "

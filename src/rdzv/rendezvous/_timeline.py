@@ -62,6 +62,31 @@ def _worker_failed(event: RunEvent) -> str:
     return f"{short_node(event.node)}: worker rank {f.get('rank', '?')} failed with {how}{error}"
 
 
+def _worker_hung(event: RunEvent) -> str:
+    """The line, then the hung thread's stack (as recorded: innermost frame first)."""
+    f = event.fields
+    at = f" at {f['frame']}" if f.get("frame") else ""
+    lines = [f"{short_node(event.node)}: worker rank {f.get('rank', '?')} hung after step "
+             f"{f.get('step', '?')}: no progress for {format_seconds(f.get('silent_s'))}; "
+             f"{f.get('why', '?')}{at}; the other ranks waited for it"]
+    stack = f.get("stack")
+    if isinstance(stack, list):
+        lines += [f"{'':24}{line.strip()}" for line in stack if isinstance(line, str)]
+    return "\n".join(lines)
+
+
+def _straggler(event: RunEvent) -> str:
+    f = event.fields
+    node = f"{short_node(f.get('straggler'))} (group rank {f.get('group_rank', '?')})"
+    ratio = f.get("ratio")
+    slower = f"{ratio:.2f}x the others' work per step" if isinstance(ratio, (int, float)) else "?"
+    if event.kind == "straggler_flagged":
+        return f"{node} is a straggler: {slower}"
+    if event.kind == "straggler_cleared":
+        return f"{node} is no longer a straggler ({slower})"
+    return f"{node} asked to leave as a straggler ({slower}): a spare takes its place"
+
+
 def _switch(what: str) -> Callable[[RunEvent], str]:
     def text(event: RunEvent) -> str:
         f = event.fields
@@ -93,6 +118,10 @@ _TEXT: dict[str, Callable[[RunEvent], str]] = {
                                    f"{short_node(e.node)}): {_reason(e.fields.get('cause', '?'))}"
                                    + (f": {e.fields['reason']}" if e.fields.get("reason")
                                       else "")),
+    "worker_hung": _worker_hung,
+    "straggler_flagged": _straggler,
+    "straggler_cleared": _straggler,
+    "straggler_replaced": _straggler,
     "switched_in_process": _switch("switched in-process"),
     "recovered_in_process": _switch("recovered in-process"),
     "training_paused": lambda e: (f"{short_node(e.node)} training paused "

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._messages import Broken, Entered, Failed, Left, Plan, PlanKind, Progress
+from .._messages import Broken, Entered, Failed, Left, Plan, PlanKind, Progress, Where
 from ..errors import RendezvousParameterError
 from ._agreement import agree, divergent, gather_holdings, state_digest
 from ._group import (
@@ -46,6 +46,7 @@ from ._group import (
     leave_group,
 )
 from ._statesync import encode_tree, receive_state, send_state
+from ._steptime import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class ElasticState:
         if self._link is None:
             self._synced = True  # torchrun: the program restores one state everywhere
             return
+        self._timer = StepTimer(model, optimizer)
+        self._link.where = self._where
         plan = joined_plan()
         if plan is None:
             self._link.send(Progress(self.step))
@@ -176,14 +179,16 @@ class ElasticState:
             elapsed = now - self._last
             self._step_time = elapsed if self._step_time is None else (
                 0.8 * self._step_time + 0.2 * elapsed)
-        self._last = now
         link = self._link
         if link is None:
+            self._last = now
             return
+        self._timer.step(self._last, now)
+        self._last = now
         link.beat(self._step_time)
         if now - self._reported >= PROGRESS_EVERY:
             self._reported = now
-            link.send(Progress(self.step, self._step_time))
+            link.send(Progress(self.step, self._step_time, *self._timer.take()))
         plan = link.peek()
         if plan is not None and (plan.kind is PlanKind.RECOVER or plan.step is None or
                                  self.step >= plan.step):
@@ -210,6 +215,10 @@ class ElasticState:
                     raise
                 if not self._recover(exc):
                     return None
+
+    def _where(self) -> Where:
+        waiting, frame = self._timer.waiting(self._last or 0.0)
+        return Where(self.step, waiting, frame)
 
     @property
     def step_time(self) -> float | None:

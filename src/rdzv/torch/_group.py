@@ -11,6 +11,7 @@ of the process, also one being created, so whatever waits on a lost peer fails a
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -19,11 +20,11 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import IO, Any, Callable
 
 import torch.distributed as dist
 
-from .._channel import ENV_CHANNEL, ENV_JOIN, ChannelClient
+from .._channel import ENV_CHANNEL, ENV_JOIN, STACKS_SIGNAL, ChannelClient, stacks_file
 from .._messages import (
     Abort,
     Broken,
@@ -31,11 +32,14 @@ from .._messages import (
     Left,
     Plan,
     PlanKind,
+    Probe,
     Stop,
     Term,
+    Where,
 )
 from ..errors import RendezvousError, RendezvousParameterError
 from ._abort import GroupSockets
+from ._steptime import describe, in_collective
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +93,18 @@ class AgentLink:
         self._stopping = False
         self._noticed = False
         self._term = threading.Event()
-        self.client = ChannelClient(path, int(os.environ.get("LOCAL_RANK", "0")), self._on, fresh)
+        self.where: Callable[[], Where] = self._where_unknown
+        """Where the training thread is (:class:`ElasticState` sets a better one)."""
+        self._main = threading.get_ident()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._stacks = _dump_stacks_on_signal(stacks_file(path, local_rank))
+        self.client = ChannelClient(path, local_rank, self._on, fresh)
         group_sockets.exclude(self.client.sock)
         self._watch_sigterm()
+
+    def _where_unknown(self) -> Where:
+        frame = sys._current_frames().get(self._main)
+        return Where(-1, in_collective(frame), describe(frame))
 
     # -- the agent's messages (channel thread) ------------------------------------------------
     def _on(self, message: Any) -> None:
@@ -111,6 +124,8 @@ class AgentLink:
                 self._watch_abort(beats)
         elif isinstance(message, Stop):
             self._on_stop()
+        elif isinstance(message, Probe):
+            self.send(self.where())
         elif isinstance(message, Closed):
             with self._cond:
                 self._gone = True
@@ -210,6 +225,20 @@ class AgentLink:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(128 + signal.SIGTERM)
+
+
+def _dump_stacks_on_signal(path: str) -> IO[str] | None:
+    """Have Python write every thread's stack to ``path`` on :data:`STACKS_SIGNAL` (unless the
+    program handles that signal itself); the open file, kept while the process lives."""
+    if signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, None):
+        return None
+    try:
+        handle = open(path, "w")  # noqa: SIM115 (faulthandler writes to it until the exit)
+    except OSError as exc:
+        logger.warning("cannot prepare the stack dump file %s: %s", path, exc)
+        return None
+    faulthandler.register(STACKS_SIGNAL, file=handle, all_threads=True)
+    return handle
 
 
 _link: AgentLink | None = None

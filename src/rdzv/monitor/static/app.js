@@ -13,12 +13,14 @@ const KIND_COLOURS = {
   round_formed: "#2f6fde", node_waiting: "#1f9d55", spare_waiting: "#1f9d55",
   node_leaving: "#d58a00", node_lost: "#d64545", workers_started: "#8a94a3", workers_restarted: "#d58a00",
   worker_failed: "#d64545", training_paused: "#d58a00", switched_in_process: "#7a4fd0",
-  recovered_in_process: "#7a4fd0", run_closed: "#1d2430",
+  recovered_in_process: "#7a4fd0", run_closed: "#1d2430", worker_hung: "#d64545",
+  straggler_flagged: "#d58a00", straggler_cleared: "#1f9d55", straggler_replaced: "#d58a00",
 };
 const LOSS_REASONS = new Set(["connection_lost", "heartbeat_missed"]);
 // Events drawn across the chart; the others (workers started, pauses...) as ticks at its foot.
 const MAJOR = new Set(["round_formed", "node_waiting", "spare_waiting", "node_leaving",
-  "node_lost", "worker_failed", "workers_restarted", "run_closed"]);
+  "node_lost", "worker_failed", "workers_restarted", "worker_hung", "straggler_replaced",
+  "run_closed"]);
 
 const view = { runs: [], selected: null, events: [], nextSeq: 0, samples: [], tick: 0,
   status: null, shownEvents: -1 };
@@ -200,9 +202,14 @@ function drawMembers(s) {
       el("td", { class: "num" }, m.nproc || "?"),
       el("td", { class: "num" }, num(m.last_seen_s_ago) === null ? "?" : `${seconds(m.last_seen_s_ago)} ago`),
       el("td", { class: "num" }, seconds(m.started_s_ago)),
-      el("td", { class: "num" }, seconds(m.join_s))));
+      el("td", { class: "num" }, seconds(m.join_s)),
+      el("td", { class: "num" }, num(m.step) === null ? "-" : String(m.step)),
+      el("td", { class: "num" }, num(m.step_time) === null ? "-" : `${num(m.step_time).toFixed(3)} s`),
+      el("td", { class: "num" }, num(m.compute) === null ? "-" : `${num(m.compute).toFixed(3)} s`,
+        num(m.straggler) === null ? "" : el("span", { class: "badge straggler",
+          title: "its work per step over the other nodes'" }, `straggler ${num(m.straggler).toFixed(1)}x`))));
   }
-  if (!s.members.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" },
+  if (!s.members.length) body.append(el("tr", {}, el("td", { colspan: 11, class: "empty" },
     num(s.round) === null ? "no round has formed yet" : "no members")));
   document.getElementById("members-note").textContent = num(s.round) === null ? "" : `round ${s.round}`;
   let waiting = "";
@@ -312,6 +319,18 @@ function describe(e) {
     case "worker_failed": {
       const how = f.signal ? `signal ${f.signal}` : `exit code ${f.exit_code}`;
       return `rank ${f.rank}: ${how}` + (f.error ? ` — ${f.error}` : "");
+    }
+    case "worker_hung":
+      return `rank ${f.rank ?? "?"} hung after step ${f.step ?? "?"}: no progress for ${seconds(f.silent_s)}; `
+        + `${f.why ?? ""}` + (f.frame ? ` at ${f.frame}` : "")
+        + (arr(f.stack).length ? " — " + arr(f.stack).map(line => String(line).trim()).join(" ← ") : "");
+    case "straggler_flagged":
+    case "straggler_cleared":
+    case "straggler_replaced": {
+      const what = { straggler_flagged: "is a straggler", straggler_cleared: "is no longer a straggler",
+        straggler_replaced: "asked to leave for a spare" }[e.kind];
+      return `group rank ${f.group_rank ?? "?"} (${f.host || "?"}) ${what}: `
+        + `${typeof f.ratio === "number" ? f.ratio.toFixed(2) : "?"}x the others' work per step`;
     }
     default:
       return Object.entries(f).map(([k, v]) => `${k.replace(/_s$/, "").replace(/_/g, " ")}: ${

@@ -1,0 +1,112 @@
+"""How a worker's steps split into its own work and waiting for the other ranks, and where its
+training thread is when it makes no progress.
+
+A synchronous step ends with the gradients' reduction: a rank that finished its backward pass
+waits there for the slowest one. :class:`StepTimer` stamps two moments of each step, at a cost of
+a clock read each: the last gradient accumulated (a hook on each trained parameter) and the
+optimizer's step starting (a pre-hook). Between the two the rank computes nothing of its own:
+it waits for the reduction (DDP's last buckets, an explicit ``all_reduce`` of the gradients or
+of a logged loss). The rest of the step is its own work, its *compute* time: forward, backward,
+the optimizer, data loading, logging. The rank the others wait for is the one whose compute time
+is longest, which is what the agents compare (``rdzv.agent._stragglers``).
+
+What it cannot see: the part of DDP's reduction that overlaps the backward pass (it costs the
+step nothing), collectives in the forward pass (FSDP's all-gathers, SyncBatchNorm: counted as
+compute), and on a GPU, kernels still running when the CPU reaches the hooks (the stamps are the
+CPU's; a GPU-bound step shows its wait in the reduction all the same, since NCCL's wait ends
+when the slowest rank's kernels have run).
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import torch
+
+DIST_FILES = ("torch/distributed/", "torch\\distributed\\")
+"""A frame in these files waits in a collective (``all_reduce``, ``barrier``, a ``wait``)."""
+_STDLIB = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
+
+
+class StepTimer:
+    """Stamps each step's gradients and optimizer step; sums compute and wait per report."""
+
+    def __init__(self, model: torch.nn.Module | None,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self.thread = threading.get_ident()
+        """The training thread (the one that created the state)."""
+        self._grads_at = 0.0
+        self._applied_at = 0.0
+        self._compute = self._wait = 0.0
+        self._steps = 0
+        self.split = model is not None and optimizer is not None
+        """Whether a step splits into compute and wait (else it is all compute)."""
+        if self.split:
+            assert model is not None and optimizer is not None
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._on_grad)
+            optimizer.register_step_pre_hook(self._on_apply)
+
+    def _on_grad(self, _param: torch.Tensor) -> None:
+        self._grads_at = time.perf_counter()
+
+    def _on_apply(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._applied_at = time.perf_counter()
+
+    def step(self, started: float | None, now: float) -> None:
+        """A step that began at ``started`` (None: after a pause that is no step) ended now."""
+        if started is None:
+            return
+        grads, applied = self._grads_at, self._applied_at
+        wait = applied - grads if started <= grads <= applied else 0.0
+        self._wait += wait
+        self._compute += (now - started) - wait
+        self._steps += 1
+
+    def take(self) -> tuple[float | None, float | None]:
+        """The mean compute and wait per step since the last call (None: no step)."""
+        if not self._steps:
+            return None, None
+        compute, wait = self._compute / self._steps, self._wait / self._steps
+        self._compute = self._wait = 0.0
+        self._steps = 0
+        return compute, (wait if self.split else None)
+
+    def waiting(self, started: float) -> tuple[bool, str]:
+        """Whether the training thread, in a step begun at ``started``, waits for its peers now,
+        and its innermost frame of interest (called from another thread, while the training
+        thread makes no progress)."""
+        frame = sys._current_frames().get(self.thread)
+        in_reduction = started <= self._grads_at and self._applied_at < self._grads_at
+        return in_reduction or in_collective(frame), describe(frame)
+
+
+def in_collective(frame: FrameType | None) -> bool:
+    """Whether a frame of this stack is in ``torch.distributed`` (a collective or its wait)."""
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in DIST_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def describe(frame: FrameType | None) -> str:
+    """``file:line in function`` of the innermost frame outside Python's own library (where a
+    program waits on an event or a lock, its own line is the news)."""
+    first = frame
+    while frame is not None and _in_stdlib(frame.f_code.co_filename):
+        frame = frame.f_back
+    frame = frame or first
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _in_stdlib(path: str) -> bool:
+    return path.startswith(_STDLIB) and "-packages" not in path
