@@ -21,8 +21,9 @@ or with torch's agent on rdzv's rendezvous:
 Start the same command on another machine (or terminal) to grow the job; stop one to shrink it.
 
 Faults to try rdzv's health checks with, set in the environment of one node's ``rdzv run``:
-``RDZV_EXAMPLE_SLOW=0.05`` adds 0.05 s of work to each of its steps (a slow node: rdzv flags it
-as a straggler, and replaces it with ``--replace-stragglers`` when a spare waits);
+``RDZV_EXAMPLE_SLOW=0.05`` adds 0.05 s of work to each of its steps (from step
+``RDZV_EXAMPLE_SLOW_FROM``, 0 by default: a slow node, which rdzv flags as a straggler and, with
+``--replace-stragglers``, replaces when a spare waits);
 ``RDZV_EXAMPLE_HANG_AT=100`` makes its workers hang at step 100 in their own code (rdzv ends
 them after ``--hang-timeout`` and the others go on without them).
 """
@@ -131,6 +132,7 @@ def main() -> None:
                         help="add this many MB of frozen weights to the model (benchmarks)")
     args = parser.parse_args()
     slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
+    slow_from = int(os.environ.get("RDZV_EXAMPLE_SLOW_FROM", "0"))
     hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -196,8 +198,9 @@ def main() -> None:
                                                  "loss": global_loss.item(), "time": time.time()}) + "\n")
             if rank == 0 and (done % args.save_every == 0 or done == args.steps):
                 save_checkpoint(args.checkpoint, model, optimizer, done)
-            if args.step_sleep or slow:
-                time.sleep(args.step_sleep + slow)
+            extra = slow if step >= slow_from else 0.0
+            if args.step_sleep or extra:
+                time.sleep(args.step_sleep + extra)
         return global_loss
 
     global_loss = state.run(train)

@@ -1,0 +1,103 @@
+"""Hung workers and slow nodes, with real agents, real torch (gloo) and a standalone store server:
+
+* a worker that hangs in its own code: the others go on within ``--hang-timeout`` + 1 s, its
+  stacks are in its node's log and in ``rdzv status --events``, and it rejoins once restarted;
+* a node slowed to about half speed: flagged as a straggler within 30 s and, with
+  ``--replace-stragglers`` and a spare waiting, replaced in-process; the step rate comes back,
+  and no step is done twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _launcher import PYTHON, Launcher
+from _waiting import eventually as wait_for
+from test_inprocess import PHASE_TIMEOUT, progress
+from test_overlaps import agent_args, example, serve
+
+HANG_TIMEOUT = 3.0
+
+
+def events(port: int, kind: str) -> list[dict[str, Any]]:
+    """The run's history events of ``kind``, read by ``rdzv status --events --json``."""
+    out = subprocess.run([PYTHON, "-m", "rdzv", "status", f"tcp://127.0.0.1:{port}/job",
+                          "--events", "--json"], capture_output=True, text=True, timeout=60)
+    found = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return [e for e in found if e.get("kind") == kind]
+
+
+def rate(entries: list[dict[str, Any]]) -> float:
+    """Steps per second over ``entries`` (rank 0's progress lines)."""
+    return (entries[-1]["step"] - entries[0]["step"]) / (entries[-1]["time"] - entries[0]["time"])
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_hung_in_its_own_code_is_ended_and_the_others_go_on(
+        launcher: Launcher, tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    port = serve(launcher)
+    args = agent_args(tmp_path, port, example(tmp_path, 120))
+    args[args.index("--max-restarts"):args.index("--max-restarts")] = [
+        "--hang-timeout", str(HANG_TIMEOUT)]
+    healthy = launcher.start(args)
+    hung = launcher.start(args, env={"RDZV_EXAMPLE_HANG_AT": "40"})
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in (healthy, hung)]
+    outputs = healthy.output()[-6000:] + hung.output()[-12000:]
+    assert codes == [0, 0], outputs
+    entries = progress(log)
+    steps = [e["step"] for e in entries]
+    assert steps == list(range(steps[0], 121)), steps  # each step once: nothing redone
+    at = steps.index(40)
+    gap = entries[at + 1]["time"] - entries[at]["time"]
+    assert gap < HANG_TIMEOUT + 1.0, (gap, outputs)
+    assert "waits in a collective for another rank" in healthy.output(), outputs
+    said = hung.output()
+    assert "is hung: no progress for" in said and "its training thread is in its own code" in said
+    assert 'elastic_train.py", line' in said and "in train" in said, said  # its stacks
+    assert "restarting it alone" in said and "joined a running job" in said, said
+    hangs = events(port, "worker_hung")
+    assert len(hangs) == 1 and hangs[0]["fields"]["step"] == 40, hangs
+    stack = hangs[0]["fields"]["stack"]
+    assert any("elastic_train.py" in line and "in train" in line for line in stack), stack
+    shown = subprocess.run([PYTHON, "-m", "rdzv", "status", f"tcp://127.0.0.1:{port}/job",
+                            "--events"], capture_output=True, text=True, timeout=60).stdout
+    assert re.search(r"worker rank \d hung after step 40", shown) and "in train" in shown, shown
+
+
+@pytest.mark.timeout(600)
+def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
+        launcher: Launcher, tmp_path: Path) -> None:
+    log = tmp_path / "progress.jsonl"
+    port = serve(launcher)
+    args = agent_args(tmp_path, port, example(tmp_path, 900))
+    args[args.index("--nnodes") + 1] = "1:2"
+    args.insert(args.index("--max-restarts"), "--replace-stragglers")
+    healthy = launcher.start(args)
+    slow = launcher.start(args, env={"RDZV_EXAMPLE_SLOW": "0.035", "RDZV_EXAMPLE_SLOW_FROM": "120"})
+    wait_for(lambda: len(progress(log)) >= 20, PHASE_TIMEOUT, "training at world size 2")
+    spare = launcher.start(args)
+    wait_for(lambda: "waiting as a spare" in spare.output(), PHASE_TIMEOUT, "the spare")
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in (healthy, slow, spare)]
+    outputs = "".join(node.output()[-5000:] for node in (healthy, slow, spare))
+    assert codes == [0, 0, 0], outputs
+    entries = progress(log)
+    steps = [e["step"] for e in entries]
+    assert steps == list(range(steps[0], 901)), steps  # each step once: nothing redone
+    slowed = entries[steps.index(120)]["time"]
+    flagged = events(port, "straggler_flagged")
+    assert len(flagged) == 1 and flagged[0]["time"] - slowed < 30, (flagged, slowed)
+    assert "asked to leave (a straggler" in slow.output(), outputs
+    assert "joined a running job" in spare.output(), outputs
+    assert "restarting" not in healthy.output(), outputs  # in-process: one worker all along
+    joined = next(i for i, e in enumerate(entries) if e["time"] > flagged[0]["time"] and
+                  e["world_size"] == 2 and entries[i - 1]["world_size"] == 1)
+    before = rate(entries[20:steps.index(120)])
+    after = rate(entries[joined + 20:])
+    assert after >= 0.9 * before, (before, after)
+    assert not events(port, "straggler_flagged")[1:], "a healthy node was flagged"
