@@ -65,6 +65,8 @@ class JobSpec:
     model_mb: float = 0.0
     checks: bool = False
     """Whether rank 0 also writes its parameter check after every change of group."""
+    flags: tuple[str, ...] = ()
+    """More flags of ``rdzv run`` (e.g. ``--replace-stragglers``)."""
 
     def command(self, node: int, work: str) -> list[str]:
         """Node ``node``'s launcher command line; its files go to ``work``."""
@@ -78,6 +80,7 @@ class JobSpec:
             head = [sys.executable, "-m", "rdzv.run", "--rdzv-backend", "tcp", "--stop-timeout", "5"]
             if self.launcher == "rdzv-restart":
                 head.append("--restart-on-change")
+            head += self.flags
         else:
             backend = "c10d" if self.launcher == "torchrun-c10d" else "rdzv-tcp"
             head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", backend]
@@ -177,21 +180,22 @@ class TrainingJob:
         self.others.append(self._popen(command, log_name, None))
         return self.others[-1]
 
-    def _popen(self, command: list[str], log_name: str, node: int | None) -> subprocess.Popen[bytes]:
+    def _popen(self, command: list[str], log_name: str, node: int | None,
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(os.path.join(self.work, log_name), "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, cwd=self.work, env=self.env,
-                                       start_new_session=True)
+                                       stdin=subprocess.DEVNULL, cwd=self.work,
+                                       env={**self.env, **(env or {})}, start_new_session=True)
         self.known[process.pid] = (proc_start_time(process.pid), node)
         return process
 
-    def start(self) -> float:
-        """Start the next node (with ``hosted``, the first serves the store); the wall-clock
-        instant of the spawn."""
+    def start(self, env: dict[str, str] | None = None) -> float:
+        """Start the next node (with ``hosted``, the first serves the store), with ``env`` added
+        to its environment; the wall-clock instant of the spawn."""
         node = len(self.nodes)
         command = self.spec.command(node, self.work)
         spawned = time.time()
-        self.nodes.append(self._popen(command, f"node{node}.log", node))
+        self.nodes.append(self._popen(command, f"node{node}.log", node, env))
         return spawned
 
     def tree(self, node: int) -> list[int]:
