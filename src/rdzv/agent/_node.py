@@ -29,7 +29,6 @@ from ..errors import (
     SessionExpiredError,
 )
 from ..rendezvous import RendezvousInfo
-from ..store import Store
 from ._crew import Crew, Said
 from ._decide import DecideContext
 from ._errors import WorkerFailure, failure_summary
@@ -89,7 +88,7 @@ from ._round_io import (
     write_record,
 )
 from ._rules import step
-from ._watch import Watcher, watch_finish, watch_membership, watch_next, watch_round
+from ._watch import Watches, watch_finish, watch_membership, watch_next, watch_round
 from ._workers import WorkerExited
 
 if TYPE_CHECKING:
@@ -132,10 +131,7 @@ class NodeRun:
         self._joining_since = time.monotonic()
         self._said_waiting = 0.0
         self._spare = False
-        self._membership: Watcher | None = None
-        self._round_watcher: Watcher | None = None
-        self._others: list[Watcher] = []
-        self._clients: list[Store | None] = [None, None]
+        self.watches = Watches(self.handler)
         self._failures: list[WorkerFailure] = []
         self._paused: tuple[float, str] | None = None
         """Since when this node's training is paused (its workers stopped), and why."""
@@ -165,13 +161,8 @@ class NodeRun:
             self._do(action)
 
     def close(self) -> None:
-        self._unwatch()
-        for watcher in self._others:
-            watcher.stop()
+        self.watches.close()
         self.crew.close(self.config.stop_timeout)
-        for client in self._clients:
-            if client is not None:
-                client.close()
 
     def _due(self) -> float:
         """When the protocol next needs a Tick for a deadline of its own."""
@@ -278,7 +269,7 @@ class NodeRun:
         record(self.handler, kind, **fields)
 
     def _act_join(self) -> None:
-        self._unwatch()
+        self.watches.stop_round()
         if self.node.gen == 0:
             config = self.config
             self.agent.say(f"waiting for nodes: {config.min_nodes}..{config.max_nodes} for run "
@@ -290,41 +281,18 @@ class NodeRun:
 
     def _act_watch(self, gen: int) -> None:
         assert self.info is not None
-        info, post = self.info, self.events.put
-        transition = self.node.phase in (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
+        info, post, node = self.info, self.events.put, self.node
+        transition = node.phase in (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
         if not transition:  # the round's control keys are no news now, and a change seen
-            self._unwatch()  # while in the transition is news again (edge-triggered)
+            self.watches.stop_round()  # while in the transition is news again
             self.group_info = info  # the workers run in this round now (also after a STAY)
-        if self._membership is None:
-            ttl = session_ttl(self.config.rdzv_conf)
-            self._membership = Watcher(f"rdzv-membership-{gen}", watch_membership(
-                self.handler, info.store, gen, post,
-                lambda spares: self.health.beat(info, gen, self.node, spares, post),
-                heartbeat_every(ttl), self.config.monitor_interval))
-        if self._round_watcher is None and transition:
-            self._round_watcher = Watcher(f"rdzv-round-{gen}", watch_round(
-                self._round_store(gen), gen, post, self.node.coordinator, self.node.nodes,
-                self.rules.switch_timeout))
-
-    def _round_store(self, gen: int) -> Store:
-        """The round's store through a client of the round watchers' own (two, alternating, so
-        a stopped watcher's last slice never holds up the next round's)."""
-        open_client = getattr(self.handler, "open_client", None)
-        client = None
-        if open_client is not None:
-            if self._clients[gen % 2] is None:
-                self._clients[gen % 2] = open_client()
-            client = self._clients[gen % 2]
-        if client is None:
-            assert self.info is not None
-            return self.info.store
-        return self.handler.round_store(client)  # type: ignore[attr-defined, no-any-return]
-
-    def _unwatch(self) -> None:
-        for watcher in (self._membership, self._round_watcher):
-            if watcher is not None:
-                watcher.stop()
-        self._membership = self._round_watcher = None
+        self.watches.membership(gen, watch_membership(
+            self.handler, info.store, gen, post,
+            lambda spares: self.health.beat(info, gen, self.node, spares, post),
+            heartbeat_every(session_ttl(self.config.rdzv_conf)), self.config.monitor_interval))
+        if transition:
+            self.watches.round(gen, info.store, lambda store: watch_round(
+                store, gen, post, node.coordinator, node.nodes, self.rules.switch_timeout))
 
     def _act_record(self) -> None:
         info, node = self.info, self.node
@@ -436,9 +404,9 @@ class NodeRun:
         if not announced:
             self.events.put(LeaveFailed("the rendezvous backend cannot announce a leave"))
             return
-        self._unwatch()  # this node's own announcement is no news
-        self._others.append(Watcher("rdzv-leave", watch_next(
-            info.store, self.events.put, max(0.0, node.leave.deadline - time.monotonic()))))
+        self.watches.stop_round()  # this node's own announcement is no news
+        self.watches.add("rdzv-leave", watch_next(
+            info.store, self.events.put, max(0.0, node.leave.deadline - time.monotonic())))
 
     def _act_leave_plans(self, step_: int) -> None:
         self.crew.send_leave(self.node.gen, step_)
@@ -481,9 +449,9 @@ class NodeRun:
             mark_done(info)
         except RendezvousError as exc:
             logger.warning("cannot mark this node as finished: %s", exc)
-        self._others.append(Watcher("rdzv-finish", watch_finish(
+        self.watches.add("rdzv-finish", watch_finish(
             lambda: all_done(info), self.node.gen, self.events.put,
-            self.config.monitor_interval)))
+            self.config.monitor_interval))
 
     def _act_succeed(self) -> None:
         self.crew.stop(signal.SIGTERM, self.config.stop_timeout)

@@ -231,3 +231,56 @@ def watch_finish(done: Callable[[], bool], gen: int, post: Callable[[Any], None]
                 logger.warning("cannot tell whether every node finished: %s", exc)
 
     return body
+
+
+class Watches:
+    """A node's watchers: its round's membership (with its sign of life), the round's control
+    keys while a transition runs, and the one-off ones (a leave, the finish). The round watchers
+    read through clients of their own: two, alternating, so that a stopped watcher's last slice
+    never holds up the next round's."""
+
+    def __init__(self, handler: RendezvousHandler) -> None:
+        self._handler = handler
+        self._membership: Watcher | None = None
+        self._round: Watcher | None = None
+        self._others: list[Watcher] = []
+        self._clients: list[Store | None] = [None, None]
+
+    def membership(self, gen: int, body: Callable[[threading.Event], None]) -> None:
+        """Watch round ``gen``'s membership with ``body`` (unless a watcher already does)."""
+        if self._membership is None:
+            self._membership = Watcher(f"rdzv-membership-{gen}", body)
+
+    def round(self, gen: int, store: Store, body: Callable[[Store], Callable[
+            [threading.Event], None]]) -> None:
+        """Watch round ``gen``'s control keys with ``body(round store)`` (``store`` where the
+        backend has no second client), unless a watcher already does."""
+        if self._round is not None:
+            return
+        open_client = getattr(self._handler, "open_client", None)
+        if open_client is not None:
+            if self._clients[gen % 2] is None:
+                self._clients[gen % 2] = open_client()
+            client = self._clients[gen % 2]
+            if client is not None:
+                store = self._handler.round_store(client)  # type: ignore[attr-defined]
+        self._round = Watcher(f"rdzv-round-{gen}", body(store))
+
+    def add(self, name: str, body: Callable[[threading.Event], None]) -> None:
+        self._others.append(Watcher(name, body))
+
+    def stop_round(self) -> None:
+        """Stop the membership and control-key watchers (a change seen from now on is news
+        again: they are edge-triggered)."""
+        for watcher in (self._membership, self._round):
+            if watcher is not None:
+                watcher.stop()
+        self._membership = self._round = None
+
+    def close(self) -> None:
+        self.stop_round()
+        for watcher in self._others:
+            watcher.stop()
+        for client in self._clients:
+            if client is not None:
+                client.close()
