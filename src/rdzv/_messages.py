@@ -37,6 +37,10 @@ from typing import Any, ClassVar, Union
 from .errors import RendezvousError
 
 
+PROGRESS_EVERY = 0.5
+"""Seconds between a worker's :class:`Progress` reports while it trains."""
+
+
 class ChannelError(RendezvousError):
     """A message on the agent-worker channel is malformed or the channel is gone."""
 

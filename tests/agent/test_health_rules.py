@@ -12,7 +12,18 @@ import pytest
 
 from rdzv._messages import Hello, Progress, Where
 from rdzv.agent._hang import HANG_FLOOR, HANG_STEPS, PROBE_GRACE, hang_due
-from rdzv.agent._protocol import Evicted, FromWorker, Leave, Node, Phase, Rules, Tick, Worker
+from rdzv.agent._moves import signalled
+from rdzv.agent._protocol import (
+    Evicted,
+    FromWorker,
+    Leave,
+    Node,
+    Phase,
+    Rules,
+    Signalled,
+    Tick,
+    Worker,
+)
 from rdzv.agent._rules import step
 from rdzv.agent._stragglers import BACKOFF, WINDOW, Policy, Sample, Watch, assess, clear_at
 from test_node_protocol import RULES, running
@@ -61,8 +72,8 @@ def test_no_watch(node: Node, why: str) -> None:
 def test_the_default_timeout_follows_the_slowest_step_with_a_floor() -> None:
     auto = replace(RULES, hang_timeout=None)
     assert hang_due(reporting(), auto) == NOW + HANG_FLOOR
-    slow = reporting(step_time=4.0, longest=9.0)
-    assert hang_due(slow, auto) == NOW + HANG_STEPS * 9.0
+    slow = reporting(step_time=18.0, longest=20.0)
+    assert hang_due(slow, auto) == NOW + HANG_STEPS * 20.0
     assert hang_due(reporting(), replace(RULES, hang_timeout=0)) == math.inf  # 0: off
 
 
@@ -129,9 +140,10 @@ def test_an_evicted_node_leaves_gracefully() -> None:
 
 @pytest.mark.parametrize("node, rules, why", [
     (running(nodes=1), RULES, "alone in its round"),
-    (running(nodes=2), replace(RULES, min_nodes=2), "cannot go on without it"),
+    (running(nodes=2), replace(RULES, min_nodes=2), "cannot go on without this one"),
     (running(), replace(RULES, hosts_store=True), "serves the rendezvous store"),
     (replace(running(), leave=Leave(15, NOW + 30, announced=True)), RULES, "already leaving"),
+    (replace(running(), phase=Phase.FINISHED), RULES, "already leaving or done"),
 ])
 def test_an_evicted_node_that_cannot_leave_gracefully_stays(node: Node, rules: Rules,
                                                             why: str) -> None:
@@ -144,6 +156,17 @@ def test_an_evicted_node_in_a_transition_leaves_once_it_is_over() -> None:
     moved, acts = acts_of(node, Evicted("a straggler"), NOW, RULES)
     assert acts == ["say"] and moved.leave is not None and not moved.leave.announced
     assert moved.leave.notice.startswith("asked to leave")
+
+
+def test_an_evicted_node_that_can_no_longer_leave_after_the_transition_stays() -> None:
+    node = replace(running(nodes=2), phase=Phase.FORMING)
+    pending, _ = step(node, Evicted("a straggler"), NOW, RULES)
+    rules = replace(RULES, min_nodes=2)  # the transition left it needed
+    over = replace(pending, phase=Phase.RUNNING)  # as running() does, then asks signalled()
+    moved, acts = signalled(over, Signalled(over.leave.signum, over.leave.notice), NOW, rules,
+                            pending=True)
+    assert moved.leave is None and moved.phase is Phase.RUNNING
+    assert [a.what for a in acts] == ["say"] and "it stays" in acts[0].args[0]
 
 
 # -- stragglers -------------------------------------------------------------------------------
@@ -210,7 +233,7 @@ def test_a_straggler_is_replaced_when_a_spare_waits() -> None:
     rows = [samples(0.05, 0.05, 0.10)] * WINDOW
     assert play(rows, REPLACE, spares=0)[1] == [("flagged", "n2")]  # no spare: only a flag
     watch, said = play(rows, REPLACE, spares=1)
-    assert said == [("flagged", "n2"), ("replaced", "n2")] and watch.pending == "n2"
+    assert said == [("flagged", "n2"), ("replaced", "n2")] and watch.pending == ("n2", 10.0)
     watch, said = play(rows, REPLACE, spares=1, watch=watch)
     assert said == []  # asked already; it is leaving
 

@@ -6,8 +6,9 @@ in its next step (a worker that does not reach the switch step in time). ``--per
 --perturb-rank R``: once F exists, global rank R adds 1 to its weights, once (a worker whose
 state differs from the others', as a protocol error would leave it). ``--stale-rank R``: at
 the first start, every rank but R restores step 10 and weights of 10 (a newer checkpoint than
-R's). After every change of group, and at the end, rank 0 prints whether every rank holds the
-same weights.
+R's). ``--outside-at S --outside-seconds T``: at step S every rank spends T s outside the steps
+(``state.outside_steps()``, an evaluation). After every change of group, and at the end, rank 0
+prints whether every rank holds the same weights.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--perturb-file", default=None)
     parser.add_argument("--perturb-rank", type=int, default=1)
     parser.add_argument("--stale-rank", type=int, default=None)
+    parser.add_argument("--outside-at", type=int, default=-1)
+    parser.add_argument("--outside-seconds", type=float, default=0.0)
     args = parser.parse_args()
     weight = torch.zeros(4)
     rdzv.torch.init_process_group("gloo")
@@ -73,6 +76,9 @@ def main() -> None:
                 print(f"rank {state.rank} stalls for {args.stall_seconds} s", flush=True)
                 time.sleep(args.stall_seconds)
             time.sleep(args.step_sleep)
+            if step + 1 == args.outside_at:
+                with state.outside_steps():
+                    time.sleep(args.outside_seconds)
 
     state.run(train)
     if state.left:

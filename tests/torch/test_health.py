@@ -2,6 +2,8 @@
 
 * a worker that hangs in its own code: the others go on within ``--hang-timeout`` + 1 s, its
   stacks are in its node's log and in ``rdzv status --events``, and it rejoins once restarted;
+  work outside the steps (``state.outside_steps()``, an evaluation) longer than the timeout is
+  no hang;
 * a node slowed to about half speed: flagged as a straggler within 30 s and, with
   ``--replace-stragglers`` and a spare waiting, replaced in-process; the step rate comes back,
   and no step is done twice.
@@ -18,7 +20,7 @@ from typing import Any
 import pytest
 from _launcher import PYTHON, Launcher
 from _waiting import eventually as wait_for
-from test_inprocess import PHASE_TIMEOUT, progress
+from test_inprocess import PHASE_TIMEOUT, WORKER, progress
 from test_overlaps import agent_args, example, serve
 
 HANG_TIMEOUT = 3.0
@@ -68,6 +70,21 @@ def test_a_worker_hung_in_its_own_code_is_ended_and_the_others_go_on(
     shown = subprocess.run([PYTHON, "-m", "rdzv", "status", f"tcp://127.0.0.1:{port}/job",
                             "--events"], capture_output=True, text=True, timeout=60).stdout
     assert re.search(r"worker rank \d hung after step 40", shown) and "in train" in shown, shown
+
+
+@pytest.mark.timeout(600)
+def test_work_outside_the_steps_is_no_hang(launcher: Launcher, tmp_path: Path) -> None:
+    args = agent_args(tmp_path, serve(launcher), [
+        WORKER, "--steps", "60", "--step-sleep", "0.03", "--outside-at", "20",
+        "--outside-seconds", str(2 * HANG_TIMEOUT + 1)])
+    args[args.index("--max-restarts"):args.index("--max-restarts")] = [
+        "--hang-timeout", str(HANG_TIMEOUT)]
+    nodes = [launcher.start(args) for _ in range(2)]
+    codes = [node.wait(PHASE_TIMEOUT) for node in nodes]
+    outputs = "".join(node.output()[-4000:] for node in nodes)
+    assert codes == [0, 0] and "done: 60 steps" in outputs, outputs
+    assert "hung" not in outputs and "made no progress" not in outputs, outputs
+    assert all(node.output().count("started 1 worker(s)") == 1 for node in nodes), outputs
 
 
 @pytest.mark.timeout(600)

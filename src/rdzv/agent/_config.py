@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .._address import parse_endpoint
+from .._messages import PROGRESS_EVERY
 from ..errors import RendezvousParameterError
 from ..rendezvous._params import backend_spec
 
@@ -28,6 +29,8 @@ STATIC_BACKEND = "static"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 ENDPOINT_EXAMPLES = {"file": "/shared/rdzv", "etcd": "HOST:2379"}
+HANG_TIMEOUT_MIN = 2.0
+"""The least ``--hang-timeout`` (other than 0): a few of the workers' progress reports."""
 
 
 class ConfigError(ValueError):
@@ -123,7 +126,8 @@ _OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
     ("hang_timeout", ("--hang-timeout", "--hang_timeout"),
      "Seconds a worker using rdzv.torch.ElasticState may make no progress before it is "
      "declared hung (its stacks logged, it is ended and the others recover without it): auto "
-     "(20 of its slowest steps, at least 60 s), a number, or 0 (off).", "str", "auto"),
+     "(20 of its slowest steps, at least 300 s), a number of seconds (at least 2), or 0 (off).",
+     "str", "auto"),
     ("straggler_factor", ("--straggler-factor", "--straggler_factor"),
      "A node whose own work per step stays this many times the other nodes' (over about 15 s) "
      "is flagged as a straggler (0: off).", "float", 1.5),
@@ -411,7 +415,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
 def _hang_timeout(raw: Any, source: str) -> float | None:
     if str(raw).strip().lower() == "auto":
         return None
-    return float(_number(float, raw, source, 0, "--hang-timeout 120 (0: off, auto: derived)"))
+    example = "--hang-timeout 600 (0: off, auto: derived from the step time)"
+    seconds = float(_number(float, raw, source, 0, example))
+    if 0 < seconds < HANG_TIMEOUT_MIN:
+        raise ConfigError(source, f"must be at least {HANG_TIMEOUT_MIN:g} s (workers report "
+                                  f"their progress every {PROGRESS_EVERY:g} s), or 0 to turn "
+                                  f"the watch off; got {raw!r}; e.g. {example}")
+    return seconds
 
 
 def _straggler_factor(raw: Any, source: str) -> float:

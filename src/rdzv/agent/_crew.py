@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._channel import STACKS_SIGNAL, ChannelServer, stacks_file
-from .._messages import Abort, Entered, Plan, PlanKind, Probe, Stop
+from .._messages import Abort, Entered, Hello, Plan, PlanKind, Probe, Stop
 from ._protocol import FromWorker
 from ._records import Assignment
 from ._workers import WorkerExited, WorkerGroup
@@ -48,6 +48,8 @@ class Crew:
         """Tags the exits of each worker group started (a stopped group's are dropped)."""
         self.group: WorkerGroup | None = None
         self._entered: dict[int, Entered] = {}
+        self._pids: dict[int, int] = {}
+        """Local rank -> the pid of the process that connected (it prepared its stack dump)."""
         self._link = ChannelServer(lambda lr, message: agent.events.put(
             Said(self._epoch, lr, message)))
         agent.channel_path = self._link.path
@@ -59,6 +61,8 @@ class Crew:
             return None
         if isinstance(event.message, Entered):
             self._entered[event.local_rank] = event.message
+        elif isinstance(event.message, Hello):
+            self._pids[event.local_rank] = event.message.pid  # (it may not be the one started)
         return FromWorker(event.local_rank, event.message)
 
     def current(self, event: WorkerExited) -> bool:
@@ -115,6 +119,7 @@ class Crew:
 
     def _forget(self) -> None:
         self._epoch += 1
+        self._pids.clear()
         self._link.forget()
 
     # -- messages -------------------------------------------------------------------------------
@@ -131,33 +136,32 @@ class Crew:
         self._link.send(local_rank, Probe())
 
     def stacks(self) -> dict[int, str]:
-        """Every connected worker's Python stacks (all threads), by local rank: each writes them
-        itself on :data:`STACKS_SIGNAL` (a worker that never prepared for it is not asked)."""
-        if self.group is None:
-            return {}
-        files = {lr: stacks_file(self._link.path, lr) for lr in sorted(self._link.connected())}
-        asked = {}
-        for lr, path in files.items():
-            if not os.path.exists(path):
-                continue
-            with open(path, "w"):  # empty it: a stack dumped before is no news
-                pass
-            if self.group.send_signal(lr, STACKS_SIGNAL, group=False):
+        """Every connected worker's Python stacks (all threads), by local rank: the process that
+        connected writes them itself on :data:`STACKS_SIGNAL` (one that did not prepare for it
+        is not asked: the signal's default action would end it)."""
+        asked: dict[int, str] = {}
+        for lr in sorted(self._link.connected()):
+            path, pid = stacks_file(self._link.path, lr), self._pids.get(lr)
+            try:
+                if pid is None or not os.path.exists(path):
+                    continue
+                with open(path, "w"):  # empty it: a stack dumped before is no news
+                    pass
+                os.kill(pid, STACKS_SIGNAL)
                 asked[lr] = path
-        texts: dict[int, str] = {}
+            except OSError as exc:
+                logger.warning("cannot ask local rank %d for its stacks: %s", lr, exc)
         sizes = dict.fromkeys(asked, -1)
+        settled: set[int] = set()
         deadline = time.monotonic() + STACKS_WAIT
-        while len(texts) < len(asked) and time.monotonic() < deadline:
+        while len(settled) < len(asked) and time.monotonic() < deadline:
             time.sleep(0.05)  # (a signal handler in native code writes them at once)
             for lr, path in asked.items():
-                size = os.path.getsize(path)
+                size = _size(path)
                 if size and size == sizes[lr]:
-                    texts.setdefault(lr, "")
+                    settled.add(lr)
                 sizes[lr] = size
-        for lr, path in asked.items():
-            with open(path) as handle:
-                texts[lr] = handle.read().rstrip() or "(the worker wrote no stack)"
-        return texts
+        return {lr: _read(path) or "(the worker wrote no stack)" for lr, path in asked.items()}
 
     def kill(self, local_rank: int) -> None:
         """End one worker (and what it started) at once."""
@@ -178,3 +182,18 @@ class Crew:
     def close(self, stop_timeout: float) -> None:
         self.stop(signal.SIGTERM, stop_timeout)
         self._link.close()
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return handle.read().rstrip()
+    except OSError:
+        return ""

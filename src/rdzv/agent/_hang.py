@@ -26,7 +26,7 @@ from .._messages import Where
 from ._moves import say, with_slot
 from ._protocol import Node, Phase, Result, Rules, Slot, Worker, act
 
-HANG_FLOOR = 60.0
+HANG_FLOOR = 300.0
 """The least default hang timeout, in seconds (a step that saves a large checkpoint may be long:
 give ``--hang-timeout`` when steps may take longer)."""
 HANG_STEPS = 20
@@ -34,6 +34,8 @@ HANG_STEPS = 20
 PROBE_GRACE = 1.0
 """Seconds a worker asked where it is has to answer."""
 WATCHED = (Phase.FORMING, Phase.SETTLING, Phase.AWAITING, Phase.RUNNING)
+QUIET = {"probed": None, "recheck": 0.0, "noted": False}
+"""A slot's watch after a sign of progress: no question pending, nothing to ask again."""
 """The node's phases in which its running workers train (a planned change forms meanwhile)."""
 
 
@@ -91,7 +93,7 @@ def on_where(node: Node, lr: int, where: Where, now: float, rules: Rules) -> Res
     slot = node.slots[lr]
     timeout = hang_timeout(slot, rules)
     if slot.probed is None or slot.hung or timeout is None or not _watching(node):
-        return node, []
+        return with_slot(node, lr, probed=None), []
     node = with_slot(node, lr, probed=None)
     silent = now - slot.sampled
     if not where.waiting:

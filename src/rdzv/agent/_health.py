@@ -111,6 +111,8 @@ class Health:
         self._policy = Policy(config.straggler_factor, config.replace_stragglers,
                               config.min_nodes)
         self._watch = Watch()
+        self._gen = -1
+        """The round whose store holds this node's straggler marks (group rank 0)."""
         self._asked = -1
         """The round in which this node was asked to leave (it acts once per round)."""
         self.ended: dict[int, str] = {}
@@ -126,7 +128,7 @@ class Health:
         mark_alive(info, perf)
         if info.rank == 0 and self._policy.factor > 0:
             post(PerfSeen(gen, samples_of(info.store.list_keys(ALIVE_DIR)), spares))
-        if self._asked != gen:
+        if self._policy.replace and self._asked != gen:  # (every node runs with the flag)
             asked = info.store.try_get(f"{EVICT_DIR}{info.rank}")
             if asked is not None:
                 self._asked = gen  # (once a round: a node that cannot leave says so once)
@@ -134,36 +136,58 @@ class Health:
 
     def assess(self, handler: Any, info: RendezvousInfo, event: PerfSeen) -> None:
         """Group rank 0: flag, clear or replace stragglers (on the agent's thread)."""
+        if event.gen != self._gen:  # a new round's store: its flags are written anew
+            self._gen = event.gen
+            for sample in event.samples:
+                ratios = self._watch.ratios.get(sample.node)
+                if sample.node in self._watch.flagged and ratios:
+                    self._flag(info, sample, ratios[-1])
         self._watch, verdicts = assess(self._watch, event.samples, event.spares,
                                        time.monotonic(), self._policy)
         for verdict in verdicts:
             sample, ratio = verdict.sample, round(verdict.ratio, 3)
-            fields = {"straggler": sample.node, "group_rank": sample.group_rank,
-                      "host": sample.host, "ratio": ratio}
-            key = f"{STRAGGLER_DIR}{sample.group_rank}"
-            try:
-                if verdict.kind == "flagged":
-                    info.store.set(key, json.dumps({"ratio": ratio, "node": sample.node}))
-                    self._agent.say(f"group rank {sample.group_rank} ({sample.host}) is a "
-                                    f"straggler: its work per step is {ratio:.2f}x the other "
-                                    f"nodes' (--straggler-factor {self._policy.factor:g})")
-                elif verdict.kind == "cleared":
-                    info.store.delete_key(key)
-                    self._agent.say(f"group rank {sample.group_rank} is no longer a "
-                                    f"straggler ({ratio:.2f}x)")
-                else:
-                    why = (f"a straggler at {ratio:.2f}x the others' work per step; a spare "
-                           "takes its place")
-                    info.store.set(f"{EVICT_DIR}{sample.group_rank}", why)
-                    self._agent.say(f"asking group rank {sample.group_rank} to leave: {why}")
-            except RendezvousError as exc:
-                logger.warning("cannot mark straggler %s: %s", sample.node, exc)
-            record(handler, f"straggler_{verdict.kind}", **fields)
+            where = f"group rank {sample.group_rank} ({sample.host})"
+            if verdict.kind == "flagged":
+                done = self._flag(info, sample, ratio)
+                text = (f"{where} is a straggler: its work per step is {ratio:.2f}x the other "
+                        f"nodes' (--straggler-factor {self._policy.factor:g})")
+            elif verdict.kind == "cleared":
+                done = self._write(info.store.delete_key, f"{STRAGGLER_DIR}{sample.group_rank}")
+                text = f"{where} is no longer a straggler ({ratio:.2f}x)"
+            else:
+                why = f"a straggler at {ratio:.2f}x the others' work per step; a spare waits"
+                done = self._write(info.store.set, f"{EVICT_DIR}{sample.group_rank}", why)
+                text = f"asking {where} to leave: {why}"
+            if done:
+                self._agent.say(text)
+                record(handler, f"straggler_{verdict.kind}", straggler=sample.node,
+                       group_rank=sample.group_rank, host=sample.host, ratio=ratio)
+
+    def _flag(self, info: RendezvousInfo, sample: Sample, ratio: float) -> bool:
+        return self._write(info.store.set, f"{STRAGGLER_DIR}{sample.group_rank}",
+                           json.dumps({"ratio": round(ratio, 3), "node": sample.node}))
+
+    @staticmethod
+    def _write(action: Callable[..., Any], *args: Any) -> bool:
+        try:
+            action(*args)
+        except RendezvousError as exc:
+            logger.warning("cannot write the straggler mark %s: %s", args[0], exc)
+            return False
+        return True
 
     def hung(self, handler: Any, local_rank: int, rank: int | None, step: int | None,
              silent: float, why: str, frame: str) -> None:
         """Report a hung worker (every worker's stacks to the log, the training thread's to the
         history) and end it."""
+        self.ended[local_rank] = f"hung at step {step}: no progress for {silent:.1f} s ({why})"
+        try:
+            self._report(handler, local_rank, rank, step, silent, why, frame)
+        finally:
+            self._crew.kill(local_rank)
+
+    def _report(self, handler: Any, local_rank: int, rank: int | None, step: int | None,
+                silent: float, why: str, frame: str) -> None:
         stacks = self._crew.stacks()
         who = f"worker rank {rank}" if rank is not None else "a worker"
         at = f" at {frame}" if frame else ""
@@ -176,5 +200,3 @@ class Health:
         top = training_stack(stacks.get(local_rank, ""), frame)[:TOP_FRAMES]
         record(handler, "worker_hung", rank=rank, local_rank=local_rank, step=step,
                silent_s=silent, why=why, frame=frame or None, stack=top or None)
-        self.ended[local_rank] = f"hung at step {step}: no progress for {silent:.1f} s ({why})"
-        self._crew.kill(local_rank)

@@ -154,33 +154,45 @@ def stop_now(node: Node, signum: int, why: str) -> Result:
     return exit_with(node, 128 + signum, say(text), act("stop", signum))
 
 
+def cannot_leave(node: Node, rules: Rules) -> str | None:
+    """Why this running node cannot leave gracefully (None: it can), as the tail of a line."""
+    if node.nodes < 2:
+        return " (this node is alone in its round)"
+    if node.nodes - 1 < rules.min_nodes:
+        return (f": the other nodes cannot go on without this one (min nodes "
+                f"{rules.min_nodes})")
+    if rules.hosts_store:
+        return (": this node serves the rendezvous store, which the others need: it cannot "
+                "leave gracefully (run `rdzv serve` apart)")
+    return None
+
+
 def signalled(node: Node, event: Signalled, now: float, rules: Rules,
-               pending: bool = False) -> Result:
-    signum = event.signum
+              pending: bool = False) -> Result:
+    """Asked to leave: by a signal, or (``event.notice``) by group rank 0 for a spare, which
+    is never a reason to stop at once: a node that cannot leave gracefully then stays."""
+    signum, notice = event.signum, event.notice
     if node.leave is not None and node.leave.by_worker and not pending and \
             signum == node.leave.signum:
         return replace(node, leave=replace(node.leave, by_worker=False)), []  # the same notice
-    if (node.leave is not None and not pending) or signum == signals.SIGHUP:
+    done = node.phase is Phase.FINISHED or not node.live
+    if notice and ((node.leave is not None and not pending) or done):
+        return node, [say(f"{notice}, but this node is already leaving or done")]
+    if (node.leave is not None and not pending) or signum == signals.SIGHUP or done:
         return stop_now(node, signum, "")
-    if node.phase is Phase.FINISHED or not node.live:
-        return stop_now(node, signum, "")
-    if node.phase is not Phase.RUNNING:  # leave once the transition is over
-        notice = event.notice or f"{signals.Signals(signum).name} received"
-        return replace(node, leave=Leave(signum, now + rules.leave_grace, notice=event.notice)), [
-            say(f"{notice} during a transition: this node leaves once it is over")]
-    if node.nodes < 2:
-        return stop_now(node, signum, " (this node is alone in its round)")
-    if node.nodes - 1 < rules.min_nodes:
-        return stop_now(node, signum, f": the other nodes cannot go on without this one (min "
-                                       f"nodes {rules.min_nodes})")
-    if rules.hosts_store:
-        return stop_now(node, signum, ": this node serves the rendezvous store, which the "
-                                       "others need: it cannot leave gracefully (run `rdzv "
-                                       "serve` apart)")
-    deadline = node.leave.deadline if node.leave is not None else now + rules.leave_grace
     name = signals.Signals(signum).name
-    notice = event.notice or f"{name} received"
+    if node.phase is not Phase.RUNNING:  # leave once the transition is over
+        return replace(node, leave=Leave(signum, now + rules.leave_grace, notice=notice)), [
+            say(f"{notice or name + ' received'} during a transition: this node leaves once "
+                "it is over")]
+    why = cannot_leave(node, rules)
+    if why is not None and notice:
+        return replace(node, leave=None), [say(f"{notice}, but it stays{why}")]
+    if why is not None:
+        return stop_now(node, signum, why)
+    deadline = node.leave.deadline if node.leave is not None else now + rules.leave_grace
+    again = f"{name} stops it at once" if notice else f"{name} again stops it at once"
     return replace(node, leave=Leave(signum, deadline, announced=True)), [
-        say(f"{notice}: leaving the job (grace {rules.leave_grace:g} s); the other "
-             f"nodes form the next round without this node while its workers keep training "
-             f"({name} stops it at once)"), act("announce")]
+        say(f"{notice or name + ' received'}: leaving the job (grace {rules.leave_grace:g} s); "
+            "the other nodes form the next round without this node while its workers keep "
+            f"training ({again})"), act("announce")]

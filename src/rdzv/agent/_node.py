@@ -215,7 +215,7 @@ class NodeRun:
 
     def _exited(self, event: WorkerExited) -> Exited:
         assert self.crew.group is not None
-        error = ""
+        error, ended = "", self.health.ended.pop(event.local_rank, None)
         if event.returncode != 0:
             failure = self.agent.failure(self.crew.group, event.local_rank, event.returncode)
             self._failures.append(failure)
@@ -224,7 +224,7 @@ class NodeRun:
                 record(self.handler, "worker_failed", **failure_fields(failure))
             if failure.error is not None and failure.error.message:
                 error = failure.error.message.strip().splitlines()[0][:200]
-            error = self.health.ended.pop(event.local_rank, error)
+            error = ended or error
         return Exited(event.local_rank, event.returncode, error)
 
     def _say_waiting(self) -> None:

@@ -276,15 +276,7 @@ def _on_time(node: Node, now: float, rules: Rules) -> Result:
 
 
 def _on_evicted(node: Node, event: Evicted, now: float, rules: Rules) -> Result:
-    """Asked to leave for a spare: a graceful leave, where one is possible; else it stays."""
-    why = ("it is already leaving" if node.leave is not None else
-           "it is alone in its round" if node.nodes < 2 else
-           f"the others cannot go on without it (min nodes {rules.min_nodes})"
-           if node.nodes - 1 < rules.min_nodes else
-           "it serves the rendezvous store" if rules.hosts_store else
-           "its workers have finished" if node.phase is Phase.FINISHED or not node.live else None)
-    if why is not None:
-        return node, [say(f"asked to leave ({event.why}), but {why}: staying")]
+    """Asked to leave for a spare: a graceful leave where one is possible, else it stays."""
     return signalled(node, Signalled(signals.SIGTERM, f"asked to leave ({event.why})"), now,
                      rules)
 

@@ -25,6 +25,9 @@ WINDOW = 3
 """Samples in a row (one per sign of life) that flag a straggler or clear it."""
 BACKOFF = 600.0
 """Seconds before a host asked to leave as a straggler may be asked again (doubled each time)."""
+PENDING_FOR = 120.0
+"""Seconds a node asked to leave has to go; one still a member then stays (it could not leave
+gracefully, or said so), and another straggler may be asked."""
 MIN_WORK = 0.001
 """Seconds per step below which work is too small to compare (an idle or finished node)."""
 
@@ -60,8 +63,8 @@ class Watch:
     flagged: frozenset[str] = frozenset()
     asked: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Host -> (when it was last asked to leave, the back-off then)."""
-    pending: str | None = None
-    """The node asked to leave that is still a member (one at a time)."""
+    pending: tuple[str, float] | None = None
+    """The node asked to leave that is still a member, and when (one at a time)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,10 @@ def assess(watch: Watch, samples: list[Sample], spares: int, now: float,
         elif sample.node in flagged and max(streak) < clear_at(policy.factor):
             flagged.discard(sample.node)
             verdicts.append(Verdict("cleared", sample, ratio))
-    pending = watch.pending if watch.pending in {s.node for s in samples} else None
+    pending = watch.pending
+    if pending is not None and (pending[0] not in {s.node for s in samples} or
+                                now >= pending[1] + PENDING_FOR):
+        pending = None
     watch = replace(watch, ratios=ratios, flagged=frozenset(flagged), pending=pending)
     if policy.replace and pending is None and spares > 0 and len(samples) - 1 >= policy.min_nodes:
         watch, replaced = _replace_one(watch, samples, now)
@@ -120,7 +126,8 @@ def _replace_one(watch: Watch, samples: list[Sample], now: float) -> tuple[Watch
     last = watch.asked.get(sample.host)
     backoff = BACKOFF if last is None else 2 * last[1]
     asked = {**watch.asked, sample.host: (now, backoff)}
-    return replace(watch, asked=asked, pending=sample.node), [Verdict("replaced", sample, ratio)]
+    return (replace(watch, asked=asked, pending=(sample.node, now)),
+            [Verdict("replaced", sample, ratio)])
 
 
 def _may_ask(watch: Watch, host: str, now: float) -> bool:

@@ -8,7 +8,7 @@ import signal as signals
 from dataclasses import replace
 
 from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Term, Where
-from ._hang import on_where
+from ._hang import QUIET, on_where
 from ._moves import (
     EXIT_BARRIER_TIMEOUT,
     TRANSITIONS,
@@ -60,13 +60,12 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         step_time = message.step_time
         longest = max(slot.longest, step_time) if step_time is not None else slot.longest
         return with_slot(node, lr, step=message.step, step_time=step_time, longest=longest,
-                         compute=message.compute, wait=message.wait, sampled=now, probed=None,
-                         recheck=0.0, noted=False), []
+                         compute=message.compute, wait=message.wait, sampled=now, **QUIET), []
     if isinstance(message, Where):
         return on_where(node, lr, message, now, rules)
     if isinstance(message, Broken):
         node = with_slot(node, lr, state=Worker.FRESH if message.fresh else Worker.BROKEN,
-                     step=None if message.fresh else message.step)
+                         step=None if message.fresh else message.step, **QUIET)
         if node.leave is not None and node.leave.announced:
             return exit_with(node, 0, say("leaving: the workers' group failed while the node was "
                                        "leaving; exiting"), act("stop", signals.SIGTERM))
@@ -113,7 +112,7 @@ def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
 def on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules) -> Result:
     if node.phase is not Phase.ENTERING or message.round != node.gen:
         return node, []
-    node = with_slot(node, lr, state=Worker.ENTERED, step=message.step, sampled=now)
+    node = with_slot(node, lr, state=Worker.ENTERED, step=message.step, sampled=now, **QUIET)
     mine = node.assignment
     decision = node.decision
     assert mine is not None and decision is not None

@@ -24,6 +24,7 @@ the same script then resumes from its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Iterator, TypeVar
@@ -31,7 +32,17 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._messages import Broken, Entered, Failed, Left, Plan, PlanKind, Progress, Where
+from .._messages import (
+    PROGRESS_EVERY,
+    Broken,
+    Entered,
+    Failed,
+    Left,
+    Plan,
+    PlanKind,
+    Progress,
+    Where,
+)
 from ..errors import RendezvousParameterError
 from ._agreement import agree, divergent, gather_holdings, state_digest
 from ._group import (
@@ -51,8 +62,6 @@ from ._steptime import StepTimer
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PROGRESS_EVERY = 0.5
-"""Seconds between a worker's progress reports to its agent (its step and step time)."""
 PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset")
 """What the message of a collective that failed because a peer is gone contains."""
 
@@ -147,6 +156,7 @@ class ElasticState:
         while self.step < total and not self.left:
             yield self.step
             self.step_done()
+        self._outside()
 
     def sync(self) -> None:
         """Bring the workers of a group just started (or restarted) to one state, once, after
@@ -209,12 +219,31 @@ class ElasticState:
         """
         while True:
             try:
-                return train()
+                result = train()
+                self._outside()
+                return result
             except Exception as exc:
                 if self._link is None or not self._group_failure(exc):
                     raise
                 if not self._recover(exc):
                     return None
+
+    @contextlib.contextmanager
+    def outside_steps(self) -> Iterator[None]:
+        """Work between training steps that may take long (an evaluation, a large checkpoint):
+        its agent does not take the worker for hung meanwhile (``--hang-timeout``), and the time
+        counts as no step's."""
+        self._outside()
+        try:
+            yield
+        finally:
+            self._last = time.perf_counter()  # the next step starts now
+
+    def _outside(self) -> None:
+        """Tell the agent this worker is not in a training step (a progress report without a
+        step time: its hang watch waits for the next one)."""
+        if self._link is not None:
+            self._link.send(Progress(self.step))
 
     def _where(self) -> Where:
         waiting, frame = self._timer.waiting(self._last or 0.0)

@@ -233,7 +233,9 @@ def _dump_stacks_on_signal(path: str) -> IO[str] | None:
     if signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, None):
         return None
     try:
-        handle = open(path, "w")  # noqa: SIM115 (faulthandler writes to it until the exit)
+        # append: the agent empties the file before each dump, and a write must then start at
+        # its (new) end, not at this process's old offset
+        handle = open(path, "a")  # noqa: SIM115 (faulthandler writes to it until the exit)
     except OSError as exc:
         logger.warning("cannot prepare the stack dump file %s: %s", path, exc)
         return None

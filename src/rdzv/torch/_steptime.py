@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-DIST_FILES = ("torch/distributed/", "torch\\distributed\\")
-"""A frame in these files waits in a collective (``all_reduce``, ``barrier``, a ``wait``)."""
+LIBRARIES = ("torch", "rdzv")
+"""Packages whose frames are not the program's own code."""
 _STDLIB = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
 
 
@@ -88,10 +88,16 @@ class StepTimer:
 
 
 def in_collective(frame: FrameType | None) -> bool:
-    """Whether a frame of this stack is in ``torch.distributed`` (a collective or its wait)."""
+    """Whether the stack's innermost frames, up to the program's own code, reach
+    ``torch.distributed`` (a collective, a barrier, a ``wait``; not its elastic launcher's
+    wrappers, which run the whole program)."""
     while frame is not None:
-        if any(part in frame.f_code.co_filename for part in DIST_FILES):
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.startswith("torch.distributed") and \
+                not module.startswith("torch.distributed.elastic"):
             return True
+        if module.split(".", 1)[0] not in LIBRARIES and not _in_stdlib(frame.f_code.co_filename):
+            return False  # the program's own code: whatever it waits on, it is there
         frame = frame.f_back
     return False
 
