@@ -112,7 +112,7 @@ def exit_now() -> None:
 def shard(step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
     """This worker's sample indices at ``step``: the global batch split by the current ranks."""
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(step))
-    return order[:batch_size][rank::world_size]
+    return order[:batch_size][rank::world_size]  # (a CPU index tensor indexes a GPU tensor too)
 
 
 def main() -> None:
@@ -130,18 +130,26 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause per step (demos)")
     parser.add_argument("--model-mb", type=float, default=0.0,
                         help="add this many MB of frozen weights to the model (benchmarks)")
+    parser.add_argument("--device", default="cpu", help="where to train: cpu, or cuda (each worker "
+                        "on GPU LOCAL_RANK modulo the GPUs it sees)")
+    parser.add_argument("--backend", default="gloo", help="the process group's backend: gloo, or "
+                        "nccl on GPUs")
     args = parser.parse_args()
     slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
     slow_from = int(os.environ.get("RDZV_EXAMPLE_SLOW_FROM", "0"))
     hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    inputs, targets = make_dataset()
-    model = make_model(args.model_mb)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    inputs, targets = (tensor.to(device) for tensor in make_dataset())
+    model = make_model(args.model_mb).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Set up before joining the group: a newcomer to a running job waits in init_process_group
     # until the others switch, so what it has done before costs them nothing.
-    rdzv.torch.init_process_group("gloo")
+    rdzv.torch.init_process_group(args.backend)
     # A newcomer to a running job receives model, optimizer and step from a running worker here;
     # everyone else (the first start, a restart, torchrun) resumes from the checkpoint.
     state = rdzv.torch.ElasticState(model=model, optimizer=optimizer)

@@ -10,15 +10,16 @@ of a logged loss). The rest of the step is its own work, its *compute* time: for
 the optimizer, data loading, logging. The rank the others wait for is the one whose compute time
 is longest, which is what the agents compare (``rdzv.agent._stragglers``).
 
-What it cannot see: the part of DDP's reduction that overlaps the backward pass (it costs the
-step nothing), collectives in the forward pass (FSDP's all-gathers, SyncBatchNorm: counted as
-compute), and on a GPU, kernels still running when the CPU reaches the hooks (the stamps are the
-CPU's; a GPU-bound step shows its wait in the reduction all the same, since NCCL's wait ends
-when the slowest rank's kernels have run).
+On a GPU the CPU's stamps would not see the reduction (NCCL holds the stream, not the CPU), so
+the same moments are taken on the stream with CUDA events (:class:`GpuClock`), read once they
+have completed. What it cannot see: the part of DDP's reduction that overlaps the backward pass
+(it costs the step nothing), and collectives in the forward pass (FSDP's all-gathers,
+SyncBatchNorm: counted as compute).
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import sysconfig
 import threading
@@ -46,6 +47,10 @@ class StepTimer:
         self._steps = 0
         self.split = model is not None and optimizer is not None
         """Whether a step splits into compute and wait (else it is all compute)."""
+        device = next((p.device for p in model.parameters() if p.is_cuda), None) \
+            if model is not None else None
+        self._gpu = GpuClock(device) if device is not None and self.split else None
+        """A model on a GPU: its stream's own times (the CPU's do not see the reduction)."""
         if self.split:
             assert model is not None and optimizer is not None
             for param in model.parameters():
@@ -55,12 +60,19 @@ class StepTimer:
 
     def _on_grad(self, _param: torch.Tensor) -> None:
         self._grads_at = time.perf_counter()
+        if self._gpu is not None:
+            self._gpu.grads.record()
 
     def _on_apply(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._applied_at = time.perf_counter()
+        if self._gpu is not None:
+            self._gpu.applied.record()
 
     def step(self, started: float | None, now: float) -> None:
         """A step that began at ``started`` (None: after a pause that is no step) ended now."""
+        if self._gpu is not None:
+            self._gpu.step(counted=started is not None)
+            return
         if started is None:
             return
         grads, applied = self._grads_at, self._applied_at
@@ -71,6 +83,11 @@ class StepTimer:
 
     def take(self) -> tuple[float | None, float | None]:
         """The mean compute and wait per step since the last call (None: no step)."""
+        if self._gpu is not None:
+            for compute, wait in self._gpu.done():
+                self._compute += compute
+                self._wait += wait
+                self._steps += 1
         if not self._steps:
             return None, None
         compute, wait = self._compute / self._steps, self._wait / self._steps
@@ -81,10 +98,62 @@ class StepTimer:
     def waiting(self, started: float) -> tuple[bool, str]:
         """Whether the training thread, in a step begun at ``started``, waits for its peers now,
         and its innermost frame of interest (called from another thread, while the training
-        thread makes no progress)."""
+        thread makes no progress). On a GPU a thread waiting for its stream (``.item()``, a
+        synchronize) while the stream has work left waits for its peers too, as far as it can
+        tell: the stream may wait on a collective."""
         frame = sys._current_frames().get(self.thread)
         in_reduction = started <= self._grads_at and self._applied_at < self._grads_at
-        return in_reduction or in_collective(frame), describe(frame)
+        gpu_busy = self._gpu is not None and self._gpu.busy()
+        return in_reduction or gpu_busy or in_collective(frame), describe(frame)
+
+
+class GpuClock:
+    """A step's moments on the GPU's stream: CUDA events recorded where the CPU stamps (the last
+    gradient, the optimizer's step, the step's end), read once complete, a step or so later,
+    never waited for. There the gradients' reduction shows: the stream waits on NCCL's between
+    the last gradient and the optimizer's kernels."""
+
+    KEEP = 64
+    """Steps whose events wait to complete, at most (older ones are dropped unread)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start = self._event()
+        self.grads = self._event(record=False)
+        self.applied = self._event(record=False)
+        self._pending: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=self.KEEP)
+
+    @staticmethod
+    def _event(record: bool = True) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        if record:
+            event.record()
+        return event
+
+    def step(self, counted: bool) -> None:
+        """The step ended (``counted``: it was a step, not a pause)."""
+        end = self._event()
+        if counted:
+            self._pending.append((self._start, self.grads, self.applied, end))
+        self._start = end
+        self.grads, self.applied = self._event(record=False), self._event(record=False)
+
+    def done(self) -> list[tuple[float, float]]:
+        """(compute, wait) in seconds of each step whose events have completed since."""
+        out = []
+        while self._pending and self._pending[0][3].query():
+            start, grads, applied, end = self._pending.popleft()
+            total = start.elapsed_time(end) / 1000
+            try:
+                wait = max(0.0, grads.elapsed_time(applied) / 1000)
+            except RuntimeError:  # an event not recorded in that step (no backward, no step)
+                wait = 0.0
+            out.append((max(0.0, total - wait), wait))
+        return out
+
+    def busy(self) -> bool:
+        """Whether the device's stream still has work to do (or waits on another stream)."""
+        return not torch.cuda.default_stream(self.device).query()
 
 
 def in_collective(frame: FrameType | None) -> bool:
