@@ -1,4 +1,5 @@
-"""Suite-wide rule: in CI (``CI=true``) the real dependencies must be there.
+"""Suite-wide rule: in CI (``CI=true``) the real dependencies must be there; and the headless
+browser's ``page`` fixture, for the tests of the web view.
 
 Tests that need torch, an etcd server, prometheus_client or a browser (Chromium driven by
 Playwright) skip with a reason on a developer's machine that lacks them; under CI the whole run
@@ -10,10 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
 from _launcher import CHROMIUM
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -41,3 +47,24 @@ def pytest_configure(config: pytest.Config) -> None:
             "CI=true but the test dependencies are missing: " + "; ".join(missing)
             + ". Run the tests through scripts/test, which installs them."
         )
+
+
+@pytest.fixture
+def page(tmp_path: Path) -> Iterator[Any]:
+    """A page of a fresh headless Chromium (its own profile); every request it makes is
+    recorded in ``page.requested``."""
+    sync_api = pytest.importorskip("playwright.sync_api")  # (CI=true: tests/conftest.py fails)
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"no Chromium at {CHROMIUM}: bash scripts/install-chromium")
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
+            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 900})
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.requested = []
+            page.expect = sync_api.expect
+            page.on("request", lambda request: page.requested.append(request.url))
+            yield page
+        finally:
+            context.close()

@@ -14,40 +14,17 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import pytest
 
 from _agents import JOIN, rdzv_cli, wait_for
-from _launcher import CHROMIUM, Launcher, free_port
+from _launcher import Launcher, free_port
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MEMBERS = "#members tbody tr[data-rank]"
 
 pytestmark = pytest.mark.timeout(900)  # real processes and a browser: slow on a loaded machine
-
-
-@pytest.fixture
-def page(tmp_path: Path) -> Iterator[Any]:
-    """A page of a fresh headless Chromium (its own profile); every request it makes is
-    recorded in ``page.requested``."""
-    sync_api = pytest.importorskip("playwright.sync_api")  # (CI=true: tests/conftest.py fails)
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM}: bash scripts/install-chromium")
-    with sync_api.sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 900})
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            page.requested = []
-            page.expect = sync_api.expect
-            page.on("request", lambda request: page.requested.append(request.url))
-            yield page
-        finally:
-            context.close()
 
 
 def web_view(rdzv: Any, tmp_path: Path) -> tuple[Launcher, str]:

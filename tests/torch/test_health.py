@@ -4,9 +4,9 @@
   stacks are in its node's log and in ``rdzv status --events``, and it rejoins once restarted;
   work outside the steps (``state.outside_steps()``, an evaluation) longer than the timeout is
   no hang;
-* a node slowed to about half speed: flagged as a straggler within 30 s and, with
-  ``--replace-stragglers`` and a spare waiting, replaced in-process; the step rate comes back,
-  and no step is done twice.
+* a node slowed to about half speed: flagged as a straggler within 30 s (in ``rdzv status``,
+  ``/metrics`` and the web page, in a real browser) and, with ``--replace-stragglers`` and a
+  spare waiting, replaced in-process; the step rate comes back, and no step is done twice.
 """
 
 from __future__ import annotations
@@ -14,16 +14,23 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _launcher import PYTHON, Launcher
+from _launcher import PYTHON, Launcher, free_port
 from _waiting import eventually as wait_for
 from test_inprocess import PHASE_TIMEOUT, WORKER, progress
 from test_overlaps import agent_args, example, serve
 
 HANG_TIMEOUT = 3.0
+
+
+def rdzv_status(port: int) -> str:
+    return subprocess.run([PYTHON, "-m", "rdzv", "status", f"tcp://127.0.0.1:{port}/job"],
+                          capture_output=True, text=True, timeout=60).stdout
 
 
 def events(port: int, kind: str) -> list[dict[str, Any]]:
@@ -89,24 +96,46 @@ def test_work_outside_the_steps_is_no_hang(launcher: Launcher, tmp_path: Path) -
 
 @pytest.mark.timeout(600)
 def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
-        launcher: Launcher, tmp_path: Path) -> None:
+        launcher: Launcher, tmp_path: Path, page: Any) -> None:
     log = tmp_path / "progress.jsonl"
     port = serve(launcher)
-    args = agent_args(tmp_path, port, example(tmp_path, 900))
+    args = agent_args(tmp_path, port, example(tmp_path, 600))
     args[args.index("--nnodes") + 1] = "1:2"
     args.insert(args.index("--max-restarts"), "--replace-stragglers")
     healthy = launcher.start(args)
-    slow = launcher.start(args, env={"RDZV_EXAMPLE_SLOW": "0.035", "RDZV_EXAMPLE_SLOW_FROM": "120"})
-    wait_for(lambda: len(progress(log)) >= 20, PHASE_TIMEOUT, "training at world size 2")
-    spare = launcher.start(args)
+    slow = launcher.start(args, env={"RDZV_EXAMPLE_SLOW": "0.035", "RDZV_EXAMPLE_SLOW_FROM": "80"})
+    web = free_port()
+    view = launcher.start([sys.executable, "-m", "rdzv", "status", f"tcp://127.0.0.1:{port}/job",
+                           "--web", str(web)])
+    found = wait_for(lambda: re.search(r"this node is group rank (\d)", slow.output()),
+                     PHASE_TIMEOUT, "the slow node's round")
+    rank = found.group(1)
+    status = wait_for(lambda: next((line for line in rdzv_status(port).splitlines()
+                                    if "straggler (" in line), None), PHASE_TIMEOUT,
+                      "the straggler in rdzv status")
+    ratio = re.search(r"straggler \((\d+\.\d)x", status)
+    assert re.match(rf"\s+{rank}\s+yes\s", status) and ratio and float(ratio[1]) >= 1.5, status
+    wait_for(lambda: "is at http://127.0.0.1:" in view.output(), PHASE_TIMEOUT, "the web view")
+    with urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    flags = dict(re.findall(r'rdzv_node_straggler\{[^}]*group_rank="(\d)"[^}]*\} (\S+)', metrics))
+    assert flags == {rank: "1.0", str(1 - int(rank)): "0.0"}, metrics
+    assert re.search(rf'rdzv_node_work_seconds\{{[^}}]*group_rank="{rank}"', metrics), metrics
+    page.goto(f"http://127.0.0.1:{web}/")
+    marker = page.locator(f"#members tbody tr[data-rank='{rank}'] .badge.straggler")
+    page.expect(marker).to_have_count(1, timeout=PHASE_TIMEOUT * 1000)
+    shown = re.fullmatch(r"straggler (\d+\.\d)x", marker.text_content() or "")
+    assert shown and float(shown[1]) >= 1.5, marker.text_content()  # ~2x the others' work
+    assert page.locator("#members .badge.straggler").count() == 1
+    spare = launcher.start(args)  # now a spare waits: the straggler is replaced
     wait_for(lambda: "waiting as a spare" in spare.output(), PHASE_TIMEOUT, "the spare")
     codes = [node.wait(PHASE_TIMEOUT * 2) for node in (healthy, slow, spare)]
     outputs = "".join(node.output()[-5000:] for node in (healthy, slow, spare))
     assert codes == [0, 0, 0], outputs
     entries = progress(log)
     steps = [e["step"] for e in entries]
-    assert steps == list(range(steps[0], 901)), steps  # each step once: nothing redone
-    slowed = entries[steps.index(120)]["time"]
+    assert steps == list(range(steps[0], 601)), steps  # each step once: nothing redone
+    slowed = entries[steps.index(80)]["time"]
     flagged = events(port, "straggler_flagged")
     assert len(flagged) == 1 and flagged[0]["time"] - slowed < 30, (flagged, slowed)
     assert "asked to leave (a straggler" in slow.output(), outputs
@@ -114,7 +143,8 @@ def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
     assert "restarting" not in healthy.output(), outputs  # in-process: one worker all along
     joined = next(i for i, e in enumerate(entries) if e["time"] > flagged[0]["time"] and
                   e["world_size"] == 2 and entries[i - 1]["world_size"] == 1)
-    before = rate(entries[20:steps.index(120)])
+    before = rate(entries[20:steps.index(80)])
+    assert len(entries) - joined >= 60, (joined, len(entries))  # enough steps to measure
     after = rate(entries[joined + 20:])
     assert after >= 0.9 * before, (before, after)
     assert not events(port, "straggler_flagged")[1:], "a healthy node was flagged"

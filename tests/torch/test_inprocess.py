@@ -118,7 +118,7 @@ def test_a_worker_that_misses_the_switch_makes_the_agents_restart(launcher: Laun
     stall = tmp_path / "stall"
     args = agent_args(tmp_path, free_port(), "--switch-timeout", "3", "--max-restarts", "3") + [
         WORKER, "--steps", "300", "--stall-file", str(stall), "--stall-rank", "1",
-        "--stall-seconds", "30",
+        "--stall-seconds", "10",
     ]
     first = launcher.start(args)
     second = launcher.start(args)
