@@ -99,7 +99,7 @@ def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
         launcher: Launcher, tmp_path: Path, page: Any) -> None:
     log = tmp_path / "progress.jsonl"
     port = serve(launcher)
-    args = agent_args(tmp_path, port, example(tmp_path, 600))
+    args = agent_args(tmp_path, port, example(tmp_path, 700))
     args[args.index("--nnodes") + 1] = "1:2"
     args.insert(args.index("--max-restarts"), "--replace-stragglers")
     healthy = launcher.start(args)
@@ -134,7 +134,7 @@ def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
     assert codes == [0, 0, 0], outputs
     entries = progress(log)
     steps = [e["step"] for e in entries]
-    assert steps == list(range(steps[0], 601)), steps  # each step once: nothing redone
+    assert steps == list(range(steps[0], 701)), steps  # each step once: nothing redone
     slowed = entries[steps.index(80)]["time"]
     flagged = events(port, "straggler_flagged")
     assert len(flagged) == 1 and flagged[0]["time"] - slowed < 30, (flagged, slowed)
