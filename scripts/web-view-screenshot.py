@@ -2,9 +2,10 @@
 
 Run: ``.venv/bin/python scripts/web-view-screenshot.py [--out docs/web-view.png]`` (needs the
 test extra's Playwright and Debian's Chromium: ``bash scripts/install-chromium``). Everything
-runs on 127.0.0.1: ``rdzv serve --web`` and ``rdzv run`` agents whose workers sleep; two nodes
-start, two join, one leaves gracefully (SIGTERM), one is lost (SIGKILL). Every process started
-is stopped at the end.
+runs on 127.0.0.1: ``rdzv serve --web`` and ``rdzv run`` agents training
+``examples/elastic_train.py`` (one worker each); two nodes start, two join, one leaves gracefully
+(SIGTERM), one is lost (SIGKILL), and the last to join is slow (``RDZV_EXAMPLE_SLOW``): it is
+flagged as a straggler. Every process started is stopped at the end.
 """
 
 from __future__ import annotations
@@ -51,19 +52,24 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rdzv-shot-"))
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(argv: list[str], name: str) -> subprocess.Popen[bytes]:
+    def start(argv: list[str], name: str,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(work / f"{name}.log", "wb")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=work)
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=work,
+                                env={**os.environ, **(env or {})})
         started.append(proc)
         return proc
 
-    def agent(name: str) -> subprocess.Popen[bytes]:
-        return start([sys.executable, "-m", "rdzv.run", "--nnodes", "2:4", "--nproc-per-node", "2",
+    def agent(name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        return start([sys.executable, "-m", "rdzv.run", "--nnodes", "2:4", "--nproc-per-node", "1",
                       "--rdzv-backend", "tcp", "--rdzv-endpoint", f"127.0.0.1:{store_port}",
                       "--rdzv-id", "demo-job", "--rdzv-conf",
                       "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3",
-                      "--local-addr", "127.0.0.1", "--no-python", "sleep", "600"], name)
+                      "--local-addr", "127.0.0.1", "--max-restarts", "3",
+                      str(ROOT / "examples" / "elastic_train.py"), "--steps", "100000",
+                      "--step-sleep", "0.05", "--checkpoint", str(work / "model.ckpt")],
+                     name, env)
 
     def status() -> str:
         return subprocess.run(
@@ -92,8 +98,10 @@ def main() -> int:
         os.killpg(nodes[2].pid, signal.SIGKILL)  # a lost node
         wait(world(2), "the round after the loss")
         time.sleep(2)
-        nodes.append(agent("a4"))
+        nodes.append(agent("a4", {"RDZV_EXAMPLE_SLOW": "0.05"}))
         wait(world(3), "the round after a new node")
+        wait(lambda: '"straggler": 2.' in status() or '"straggler": 1.' in status(),
+             "the slow node flagged")
         time.sleep(2)
         with sync_playwright() as playwright:
             context = playwright.chromium.launch_persistent_context(
