@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_run_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING,
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_from_args(args)
 

@@ -25,8 +25,11 @@ def status(rdzv: Any, *extra: str) -> subprocess.CompletedProcess[str]:
                     "--rdzv-id", "job", *extra)
 
 
-def status_json(rdzv: Any) -> dict[str, Any]:
+def status_json(rdzv: Any) -> dict[str, Any] | None:
+    """The run's status (None: no node has joined it yet, so the store has no such run)."""
     result = status(rdzv, "--json")
+    if result.returncode == 1 and "this store has no run 'job'" in result.stderr:
+        return None
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -34,7 +37,7 @@ def status_json(rdzv: Any) -> dict[str, Any]:
 def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> None:
     args = rdzv.until_stopped("2:3", 2)
     first = rdzv.start(agents, 1, args)[0]
-    forming = wait_for(lambda: (s := status_json(rdzv))["waiting"] == 1 and s, JOIN,
+    forming = wait_for(lambda: (s := status_json(rdzv)) and s["waiting"] == 1 and s, JOIN,
                        "the first node to join round 0")
     assert forming["state"] == "forming" and forming["round"] is None
     assert "no round has formed yet; 1 node(s) joined round 0" in status(rdzv).stdout
@@ -93,7 +96,7 @@ def test_status_shows_a_node_that_leaves(agents: Any, rdzv: Any) -> None:
 def test_status_watch_prints_again_on_changes(agents: Any, rdzv: Any) -> None:
     args = rdzv.until_stopped("2", 1)
     rdzv.start(agents, 1, args)
-    wait_for(lambda: status_json(rdzv)["waiting"] == 1, JOIN, "the first node")
+    wait_for(lambda: (s := status_json(rdzv)) and s["waiting"] == 1, JOIN, "the first node")
     watch = subprocess.Popen(
         [sys.executable, "-m", "rdzv", "status", "--rdzv-backend", rdzv.backend,
          "--rdzv-endpoint", rdzv.endpoint, "--rdzv-id", "job", "--watch", "--json",

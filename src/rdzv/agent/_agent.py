@@ -73,6 +73,11 @@ def worker_env(config: LaunchConfig, assignment: Assignment | None, local_rank: 
     return env
 
 
+def say(message: str) -> None:
+    """Tell the person at the console of ``rdzv run`` what happens (one line, timed)."""
+    print(f"[rdzv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 class ElasticAgent:
     """Runs the workers of one node under ``handler`` until they succeed, fail or are stopped.
 
@@ -95,7 +100,7 @@ class ElasticAgent:
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
         """Tell the person at the console what happens."""
-        print(f"[rdzv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        say(message)
 
     def describe(self, assignment: Assignment) -> str:
         ranks = (f"global ranks {assignment.rank_offset}.."

@@ -169,6 +169,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(*flags, dest=dest, default=None, metavar=dest.upper(),
                                 help=help_text)
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="What rdzv's own log shows (DEBUG: also a failure's traceback). "
+                             "Default: WARNING.")
     parser.add_argument("training_script", metavar="TRAINING_SCRIPT",
                         help="The worker program (a Python script, a module with -m, or an "
                              "executable with --no-python).")

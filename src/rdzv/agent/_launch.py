@@ -9,15 +9,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from dataclasses import replace
 
+from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler, RendezvousParameters, get_rendezvous_handler
-from ._agent import ElasticAgent
+from ._agent import ElasticAgent, say
 from ._config import ConfigError, LaunchConfig, check_command, config_from_args
 
 logger = logging.getLogger(__name__)
 
 USAGE_ERROR = 2
+FAILED = 1
+"""The exit code of a run that could not start or failed (the workers', past restarts)."""
+NOTICE_AFTER = 0.3
+"""Seconds reaching the rendezvous may take before the console says what it waits for."""
 
 STANDALONE_HOST = "127.0.0.1"
 
@@ -45,12 +51,61 @@ def standalone_handler(config: LaunchConfig) -> tuple[RendezvousHandler, LaunchC
     return handler, replace(config, rdzv_endpoint=f"{STANDALONE_HOST}:{store.port}")
 
 
+def open_handler(config: LaunchConfig) -> RendezvousHandler:
+    """The rendezvous handler of ``config``'s backend (reaching its store); once that lasts a
+    second, the console says what it waits for, how long at most, and the option that sets it
+    (the store client then says why, every 10 s)."""
+    params = rendezvous_parameters(config)
+    timeout = params.get_option("read_timeout")
+    notice = threading.Timer(NOTICE_AFTER, say, (
+        f"reaching the rendezvous store ({config.rdzv_backend} {config.rdzv_endpoint}) for run "
+        f"{config.run_id!r}: retrying for up to {timeout:g} s (--rdzv-conf read_timeout=SECONDS)",))
+    notice.daemon = True
+    notice.start()
+    try:
+        return get_rendezvous_handler(params)
+    finally:
+        notice.cancel()
+
+
+def unreachable(config: LaunchConfig, exc: RendezvousError) -> str:
+    """What to tell the person when the rendezvous could not be reached: what failed, the
+    likely causes, what to do."""
+    where = f"{config.rdzv_backend} {config.rdzv_endpoint}"
+    text = str(exc)
+    if "resolve the host name" in text:
+        causes = ("the host name in --rdzv-endpoint is misspelt, or its DNS name does not exist "
+                  "(yet)")
+        todo = "check --rdzv-endpoint's host; --rdzv-conf read_timeout=SECONDS waits longer"
+    elif config.rdzv_backend == "etcd":
+        causes = f"etcd is not running at {config.rdzv_endpoint}, or a firewall drops the port"
+        todo = ("start etcd there (see docs/etcd.md), or check --rdzv-endpoint; without etcd, "
+                "`rdzv serve` and --rdzv-backend tcp")
+    elif config.rdzv_backend in ("tcp", "c10d"):
+        causes = ("no store server listens there: a wrong host or port in --rdzv-endpoint; the "
+                  "node that hosted the store (is_host) has exited, taking the store with it; or "
+                  "a firewall")
+        todo = ("check --rdzv-endpoint; run a store the nodes outlive (`rdzv serve --port PORT` "
+                "on that host) or use etcd; on one machine, --standalone needs none")
+    else:
+        causes, todo = f"the {config.rdzv_backend} backend's store cannot be reached", \
+            "check --rdzv-endpoint and --rdzv-conf"
+    return (f"rdzv run: error: cannot reach the rendezvous ({where}) for run {config.run_id!r}: "
+            f"{exc}\n  likely: {causes}\n  to do: {todo}\n  (exit code {FAILED}; "
+            "--log-level DEBUG shows the traceback)")
+
+
 def launch(config: LaunchConfig) -> int:
     """Run one node of the job described by ``config``; the exit code."""
     if config.standalone:
         handler, config = standalone_handler(config)
     else:
-        handler = get_rendezvous_handler(rendezvous_parameters(config))
+        try:
+            handler = open_handler(config)
+        except RendezvousError as exc:
+            logger.debug("reaching the rendezvous failed", exc_info=True)
+            print(unreachable(config, exc), file=sys.stderr)
+            return FAILED
     host = config.local_addr or (STANDALONE_HOST if config.standalone else None)
     return ElasticAgent(config, handler, host=host).run()
 

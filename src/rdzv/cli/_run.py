@@ -24,4 +24,4 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_run_arguments(parser)
-    parser.set_defaults(func=run_from_args, log_level="WARNING")
+    parser.set_defaults(func=run_from_args)

@@ -85,7 +85,7 @@ def _parameters(args: argparse.Namespace) -> Any:
 def status_command(args: argparse.Namespace) -> int:
     from ..errors import RendezvousError
     from ..rendezvous._layout import RunKeys
-    from ..rendezvous._status import format_status, open_store, read_status
+    from ..rendezvous._status import format_status, open_store, read_status, unknown_run
 
     if args.interval <= 0 or args.count < 0:
         print("rdzv status: error: --interval must be > 0 and --count >= 0", file=sys.stderr)
@@ -112,6 +112,16 @@ def status_command(args: argparse.Namespace) -> int:
         return 1
     if args.web is not None:
         return _serve_web(params, args.web, args.web_secret_file, store)
+    if not args.watch and not args.follow:  # (a run watched may be about to start)
+        try:
+            unknown = unknown_run(store, params.run_id)
+        except RendezvousError as exc:
+            print(f"rdzv status: cannot read the store of run {params.run_id!r} "
+                  f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
+            return 1
+        if unknown is not None:
+            print(f"rdzv status: error: {unknown}", file=sys.stderr)
+            return 1
     if args.events:
         return events_command(args, store, params.run_id)
     base = RunKeys(params.run_id).base

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from .._patience import Patience
 from ..errors import (
     SessionExpiredError,
     StoreAuthenticationError,
@@ -96,6 +97,10 @@ class EtcdClient:
 
     # -- endpoints and connections ------------------------------------------------------------
     @property
+    def _endpoints(self) -> str:
+        return ", ".join(self.options.endpoints)
+
+    @property
     def endpoint(self) -> str:
         """The endpoint requests go to now."""
         return self.options.endpoints[self._current % len(self.options.endpoints)]
@@ -106,7 +111,7 @@ class EtcdClient:
             stale = self._idle.pop(endpoint, [])
             if self.endpoint == endpoint:
                 self._current += 1
-                logger.warning("etcd %s failed (%s); trying %s", endpoint, reason, self.endpoint)
+                logger.debug("etcd %s failed (%s); trying %s", endpoint, reason, self.endpoint)
         for conn in stale:
             conn.close()
 
@@ -159,6 +164,7 @@ class EtcdClient:
         deadline = time.monotonic() + self.options.retry_timeout
         failures: dict[str, str] = {}
         attempt = 0
+        patience = Patience(logger, f"no etcd endpoint answers yet ({self._endpoints})", deadline)
         while True:
             endpoint = self.endpoint
             try:
@@ -166,6 +172,7 @@ class EtcdClient:
             except _Transient as exc:
                 failures[endpoint] = str(exc)
                 self._fail_over(endpoint, str(exc))
+                patience.failed(f"{endpoint}: {exc}")
                 if exc.sent and not retry_ambiguous:
                     raise EtcdAmbiguousError(
                         f"etcd at {endpoint} lost the answer to {path} ({exc}); "
@@ -240,6 +247,7 @@ class EtcdClient:
         EtcdCompactedError if a ``start_revision`` was compacted."""
         deadline = time.monotonic() + timeout
         failing_since: float | None = None
+        patience: Patience | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -254,6 +262,10 @@ class EtcdClient:
                 self._fail_over(endpoint, str(exc))
                 now = time.monotonic()
                 failing_since = failing_since or now
+                patience = patience or Patience(
+                    logger, f"no etcd endpoint would watch ({self._endpoints})",
+                    failing_since + self.options.retry_timeout)
+                patience.failed(f"{endpoint}: {exc}")
                 if now - failing_since > self.options.retry_timeout:
                     raise StoreConnectionError(
                         f"no etcd endpoint would watch for {self.options.retry_timeout:g} s "

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import RendezvousStateError
 from ..store import Store
 from ._api import RendezvousParameters
-from ._layout import RunKeys, decode_int, decode_rank, decode_status
+from ._layout import ROOT, RunKeys, decode_int, decode_rank, decode_status
 
 AGENT_NODES = "agent/node/"
 """Where each agent describes itself in its round's store (one key per group rank)."""
@@ -199,6 +199,30 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
                      last_round_s=max(joins) if joins else None,
                      max_nodes=maxima.pop() if len(maxima) == 1 else None,
                      **common)  # type: ignore[arg-type]
+
+
+LIST_RUNS_UP_TO = 20000
+"""Keys a store may hold for :func:`known_runs` to list its runs (each key is read)."""
+
+
+def known_runs(store: Store) -> list[str] | None:
+    """The run ids that have keys in ``store`` (None: too many keys to list them cheaply)."""
+    root = f"{ROOT}/"
+    if store.count_keys(root) > LIST_RUNS_UP_TO:
+        return None
+    return sorted({key[len(root):].split("/", 1)[0] for key in store.list_keys(root)})
+
+
+def unknown_run(store: Store, run_id: str) -> str | None:
+    """Why ``run_id`` cannot be shown, if ``store`` has never seen it (None: it has)."""
+    if store.count_keys(RunKeys(run_id).base):
+        return None
+    runs = known_runs(store)
+    known = ("it holds no run yet" if runs == [] else "it holds too many keys to list its runs"
+             if runs is None else f"the runs it knows: {', '.join(runs[:20])}"
+             + (f" (and {len(runs) - 20} more)" if len(runs) > 20 else ""))
+    return (f"this store has no run {run_id!r} ({known}); check --rdzv-id (or the run in the "
+            "URL); a run appears once its first node joins")
 
 
 def format_status(status: RunStatus) -> str:

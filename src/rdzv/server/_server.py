@@ -71,7 +71,13 @@ def _listen_socket(host: str | None, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot listen on {bind_host}:{port}: {exc.strerror}") from None
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:
+            hint = (f": another process listens on port {port} (another `rdzv serve`, or a "
+                    f"job's store; `ss -ltnp 'sport = :{port}'` names it): stop it, or give "
+                    "another port")
+        raise OSError(exc.errno, f"cannot listen on {bind_host}:{port}: {exc.strerror}{hint}"
+                      ) from None
     return sock
 
 

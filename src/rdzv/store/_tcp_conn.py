@@ -20,6 +20,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from .._patience import Patience
 from ..errors import (
     SessionExpiredError,
     StoreAuthenticationError,
@@ -390,6 +391,8 @@ class StoreConnection(ClientHandshake):
         delay = 0.01
         last: BaseException | None = None
         addr = f"{self._host}:{self._port}"
+        patience = Patience(log, f"cannot reach the store server at {addr} yet", deadline,
+                            clock=_monotonic)
         while True:
             remaining = deadline - _monotonic()
             try:
@@ -397,13 +400,8 @@ class StoreConnection(ClientHandshake):
                     (self._host, self._port), timeout=max(0.05, min(remaining, HANDSHAKE_TIMEOUT))
                 )
             except OSError as exc:
-                if isinstance(exc, socket.gaierror) and not isinstance(last, socket.gaierror):
-                    log.warning(
-                        "cannot resolve the store server's host name %r yet (%s); retrying for "
-                        "up to %.0f s more (a new pod's DNS name can take a while to appear)",
-                        self._host, exc.strerror, max(0.0, deadline - _monotonic()),
-                    )
                 last = exc
+                patience.failed(_describe(exc))
             else:
                 try:
                     self._handshake(sock, deadline)
@@ -416,6 +414,7 @@ class StoreConnection(ClientHandshake):
                 except OSError as exc:
                     sock.close()
                     last = exc
+                    patience.failed(_describe(exc))
             remaining = deadline - _monotonic()
             if remaining <= 0:
                 if lost is not None:
