@@ -119,3 +119,31 @@ def test_a_host_name_that_does_not_resolve_is_told_apart() -> None:
         "the host name (Name or service not known; ...) (tried for 60 s)"))
     assert "likely: the host name in --rdzv-endpoint is misspelt" in said
     assert "to do: check --rdzv-endpoint's host" in said
+
+
+def test_status_of_a_store_that_is_gone_answers_within_5_s() -> None:
+    lines, code = timed(["status", f"tcp://127.0.0.1:{free_port()}/job"])
+    text = "\n".join(line for _, line in lines)
+    assert code == 1 and no_traceback(lines), text
+    assert lines[-1][0] < 5.0 + 3.0, lines  # 5 s of tries (and the interpreter's start)
+    assert "cannot open the store of run 'job'" in text and "(tried for 5 s)" in text, text
+    assert "likely: the run has ended and its store went with the node that hosted it" in text
+
+
+def test_the_last_call_is_named_when_it_begins(launcher: Launcher) -> None:
+    port = free_port()
+    server = launcher.start([sys.executable, "-m", "rdzv", "serve", "--host", "127.0.0.1",
+                             "--port", str(port)])
+    wait_for(lambda: "listening on" in server.output(), 60, "the store server")
+    argv = [sys.executable, "-m", "rdzv", "run", "--nnodes", "1:3", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf",
+            "is_host=0,last_call_timeout=6", PRINT_RANK]
+    nodes = [launcher.start(argv) for _ in range(2)]
+    said = wait_for(lambda: next((line for line in nodes[0].output().splitlines()
+                                  if "the last call waits" in line), None), 30,
+                    "the last call, said")
+    assert "2 joined (min 1 reached); the last call waits" in said or \
+        "1 joined (min 1 reached); the last call waits" in said, said
+    assert "for up to 3 (--rdzv-conf last_call_timeout=SECONDS)" in said, said
+    assert [node.wait(60) for node in nodes] == [0, 0]
+    assert all("round formed in" in node.output() for node in nodes)

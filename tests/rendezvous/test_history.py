@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from rdzv.store import TCPStore
 from rdzv.rendezvous import EventWriter, RunEvent, get_rendezvous_handler, read_events
 from rdzv.rendezvous._history import (
     decode_event,
@@ -212,11 +213,11 @@ def test_prune_plan_deletes_corrupt_records_first() -> None:
      {"world_size": 3, "members": ["a", "b", "c:7:deadbeef"], "newcomers": ["c:7:deadbeef"],
       "left": [{"node": "b:2:12345678", "reason": "heartbeat_missed"}], "formation_s": 0.008,
       "cause": "loss"},
-     "round 3   formed in 8 ms: world size 3 (+c:7; b:2 left: heartbeat missed)"),
+     "round 3   formed in 8 ms: 3 node(s) (+c:7; b:2 left: heartbeat missed)"),
     ("round_formed", "h:1:0badcafe", 0,
      {"world_size": 2, "members": ["a", "b"], "newcomers": ["a", "b"], "left": [],
       "formation_s": 1.5, "cause": "initial"},
-     "round 0   formed in 1.50 s: world size 2"),
+     "round 0   formed in 1.50 s: 2 node(s)"),
     ("worker_failed", "h:1:0badcafe", 2,
      {"rank": 5, "exit_code": 1, "error": "ValueError: boom"},
      "round 2   h:1: worker rank 5 failed with exit code 1: ValueError: boom"),
@@ -453,6 +454,8 @@ def test_status_events_usage_errors(server: Any, argv: list[str], message: str) 
 
 
 def test_status_events_of_a_run_without_history(server: Any) -> None:
+    with TCPStore("127.0.0.1", server.port, is_master=False, timeout=10) as store:
+        store.set("rdzv/job/sealed", b"0")  # a run whose nodes keep no history
     result = rdzv_cli("status", f"tcp://127.0.0.1:{server.port}/job", "--events")
     assert (result.returncode, result.stdout) == (0, "run job: no events\n")
     as_json = rdzv_cli("status", f"tcp://127.0.0.1:{server.port}/job", "--events", "--json")

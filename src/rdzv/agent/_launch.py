@@ -56,10 +56,14 @@ def open_handler(config: LaunchConfig) -> RendezvousHandler:
     second, the console says what it waits for, how long at most, and the option that sets it
     (the store client then says why, every 10 s)."""
     params = rendezvous_parameters(config)
-    timeout = params.get_option("read_timeout")
+    try:
+        how = (f"retrying for up to {params.get_option('read_timeout'):g} s (--rdzv-conf "
+               "read_timeout=SECONDS)")
+    except KeyError:  # a backend without that option (static)
+        how = "retrying"
     notice = threading.Timer(NOTICE_AFTER, say, (
         f"reaching the rendezvous store ({config.rdzv_backend} {config.rdzv_endpoint}) for run "
-        f"{config.run_id!r}: retrying for up to {timeout:g} s (--rdzv-conf read_timeout=SECONDS)",))
+        f"{config.run_id!r}: {how}",))
     notice.daemon = True
     notice.start()
     try:

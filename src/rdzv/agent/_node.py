@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from .._patience import EVERY
 from ..errors import (
     RendezvousClosedError,
     RendezvousError,
@@ -96,8 +97,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_INTERVAL = 10.0
-"""Seconds between 'still waiting' lines while a round forms."""
 LEAVE_TIMEOUT = 30.0
 """Seconds the node serving the store waits for the others to leave a finished round."""
 
@@ -131,6 +130,7 @@ class NodeRun:
         self._joining_since = time.monotonic()
         self._said_waiting = 0.0
         self._spare = False
+        self._last_call_said = False
         self.watches = Watches(self.handler)
         self._failures: list[WorkerFailure] = []
         self._paused: tuple[float, str] | None = None
@@ -170,7 +170,7 @@ class NodeRun:
 
     def _wait(self) -> float:
         node, now = self.node, time.monotonic()
-        deadlines = [self._due(), now + PROGRESS_INTERVAL]
+        deadlines = [self._due(), now + EVERY]
         if node.leave is not None:
             deadlines.append(node.leave.deadline)
         if node.phase is Phase.FORMING:
@@ -239,16 +239,23 @@ class NodeRun:
                 self.agent.say(f"waiting as a spare: the job runs at its maximum of "
                                f"{self.config.max_nodes} node(s); this node takes the place of "
                                "one that leaves or is lost")
-        if spare or now - self._said_waiting < PROGRESS_INTERVAL:
+        forming = getattr(self.handler, "forming", lambda: None)()
+        last_call = forming is not None and forming[1] is not None
+        news = last_call and not self._last_call_said  # the last call began: said at once
+        if spare or (not news and now - self._said_waiting < EVERY):
             return
-        self._said_waiting = now
-        waited = now - self._joining_since
+        self._said_waiting, self._last_call_said = now, last_call
+        waited, config = now - self._joining_since, self.config
+        joined = "" if forming is None else (
+            f": {forming[0]} joined, {config.min_nodes} needed" if forming[1] is None else
+            f": {forming[0]} joined (min {config.min_nodes} reached); the last call waits "
+            f"{forming[1]:.0f} s more for up to {config.max_nodes} (--rdzv-conf "
+            "last_call_timeout=SECONDS)")
         if self.node.live:
-            self.agent.say(f"the survivors wait for enough nodes to re-form ({waited:.0f} s); "
-                           "training resumes in-process then")
+            self.agent.say(f"the survivors wait for enough nodes to re-form ({waited:.0f} s"
+                           f"{joined}); training resumes in-process then")
         else:
-            self.agent.say(f"still waiting for nodes: {self.config.min_nodes}.."
-                           f"{self.config.max_nodes} ({waited:.0f} s)")
+            self.agent.say(f"still waiting for nodes ({waited:.0f} s){joined}")
 
     # -- actions ------------------------------------------------------------------------------
     def _do(self, action: Act) -> None:
@@ -275,6 +282,7 @@ class NodeRun:
             self.agent.say(f"waiting for nodes: {config.min_nodes}..{config.max_nodes} for run "
                            f"{config.run_id!r} ({config.rdzv_backend} {config.rdzv_endpoint})")
         self._joining_since = self._said_waiting = time.monotonic()
+        self._last_call_said = False
         future = self.handler.next_rendezvous_async()
         self._future = future
         future.add_done_callback(lambda f: self.events.put(RoundResult(f)))

@@ -59,6 +59,11 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=status_command, log_level="WARNING")
 
 
+STORE_TIMEOUT = "5"
+"""Seconds ``rdzv status`` tries to reach (and read) the store, unless read_timeout is given:
+a store that is gone (the job ended with the node that hosted it) is said within this."""
+
+
 def _parameters(args: argparse.Namespace) -> Any:
     from ..agent._config import ConfigError, parse_rdzv_conf
     from ..rendezvous import RendezvousParameters, parse_rendezvous_url
@@ -70,6 +75,8 @@ def _parameters(args: argparse.Namespace) -> Any:
         url = args.url
         if not any(f"{name}=" in url for name in ("nnodes", "min_nodes", "world_size")):
             url += ("&" if "?" in url else "?") + "nnodes=1"  # node counts do not matter here
+        if "read_timeout=" not in url:
+            url += f"&read_timeout={STORE_TIMEOUT}"
         return parse_rendezvous_url(url)
     if not args.rdzv_id:
         raise ValueError("which run? give its URL (e.g. tcp://HOST:29400/RUN_ID) or --rdzv-id "
@@ -79,6 +86,7 @@ def _parameters(args: argparse.Namespace) -> Any:
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     backend = "tcp" if args.rdzv_backend == "c10d" else args.rdzv_backend
+    conf.setdefault("read_timeout", STORE_TIMEOUT)
     return RendezvousParameters(backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, **conf)
 
 
@@ -86,6 +94,7 @@ def status_command(args: argparse.Namespace) -> int:
     from ..errors import RendezvousError
     from ..rendezvous._layout import RunKeys
     from ..rendezvous._status import format_status, open_store, read_status, unknown_run
+    from ..rendezvous._timeline import parse_since
 
     if args.interval <= 0 or args.count < 0:
         print("rdzv status: error: --interval must be > 0 and --count >= 0", file=sys.stderr)
@@ -101,6 +110,8 @@ def status_command(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     try:
         params = _parameters(args)
+        if args.since is not None:
+            parse_since(args.since, time.time())
     except ValueError as exc:
         print(f"rdzv status: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -108,7 +119,11 @@ def status_command(args: argparse.Namespace) -> int:
         store = open_store(params)
     except (RendezvousError, OSError) as exc:
         print(f"rdzv status: cannot open the store of run {params.run_id!r} "
-              f"({params.backend} {params.endpoint}): {exc}", file=sys.stderr)
+              f"({params.backend} {params.endpoint}): {exc}\n  likely: the run has ended and "
+              "its store went with the node that hosted it (is_host); or a wrong endpoint; or "
+              "the store is down\n  to do: check the endpoint; a store the nodes outlive (`rdzv "
+              "serve`, etcd) keeps a run's state and history after it ends; "
+              "?read_timeout=SECONDS waits longer", file=sys.stderr)
         return 1
     if args.web is not None:
         return _serve_web(params, args.web, args.web_secret_file, store)

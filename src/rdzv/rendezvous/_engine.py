@@ -104,6 +104,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._node_id = new_node_id(self._host)
         self._member: Membership | None = None
         self._last_view: tuple[MembershipView, int] | None = None
+        self._forming: tuple[int, float | None] | None = None
+        """Of the round this node waits in: the nodes joined, and when its last call began
+        (monotonic; None: fewer than min_nodes yet), as last observed."""
         """What :meth:`membership` read last (its keys all change with one under its path)."""
         self._port: PortReservation | None = None
         """The port this node offers as the bootstrap port, held until its next round."""
@@ -170,6 +173,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def is_spare(self) -> bool:
         return self._spare
+
+    def forming(self) -> tuple[int, float | None] | None:
+        """While this node waits for a round to form: the nodes joined so far and the seconds
+        left in the last call (None: min_nodes not reached yet), as last observed."""
+        forming = self._forming
+        if forming is None:
+            return None
+        joined, armed_since = forming
+        if armed_since is None:
+            return joined, None
+        return joined, max(0.0, armed_since + self._rules.last_call_timeout - time.monotonic())
 
     def record_event(self, kind: str, **fields: object) -> RunEvent | None:
         """Record an event of this node in the run's history, in the background (never fails:
@@ -334,6 +348,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         armed_since: float | None = None
         since = 0
         woken = False
+        self._forming = None
         while True:
             if woken:  # after a seal attempt: one read tells a member everything
                 reads = store.read_many([rank_key, status_key])
@@ -355,6 +370,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     self.record_event("spare_waiting", round=r, max_nodes=self._rules.max_nodes)
             step = decide(view, self._rules, now, deadline, armed_since)
             armed_since = step.armed_since
+            self._forming = (view.alive, armed_since)
             woken = False
             if step.action is Action.CLOSED:
                 self._keys_held.leave()

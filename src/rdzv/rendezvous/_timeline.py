@@ -1,7 +1,7 @@
 """A run's history as a timeline a person reads (``rdzv status --events``): pure formatting.
 
 One line an event: its local time to the millisecond, the round, and what happened, e.g.
-``23:41:07.120  round 3  formed in 8 ms: world size 3 (+host-c:311; host-b:207 left: heartbeat
+``23:41:07.120  round 3  formed in 8 ms: 3 node(s) (+host-c:311; host-b:207 left: heartbeat
 missed)``.
 """
 
@@ -51,8 +51,8 @@ def _round_formed(event: RunEvent) -> str:
     if f.get("cause") == "restart":
         changes.append("same members: restart")
     detail = f" ({'; '.join(changes)})" if changes else ""
-    return (f"formed in {format_seconds(f.get('formation_s'))}: world size "
-            f"{f.get('world_size', '?')}{detail}")
+    return (f"formed in {format_seconds(f.get('formation_s'))}: "
+            f"{f.get('world_size', '?')} node(s){detail}")
 
 
 def _worker_failed(event: RunEvent) -> str:

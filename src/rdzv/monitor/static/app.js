@@ -86,13 +86,21 @@ async function poll() {
     if (view.tick % RUNS_EVERY === 0 || !view.selected) await pollRuns();
     if (view.selected) await pollRun();
     showError(null);
-    document.getElementById("live").classList.remove("stale");
+    setLive(true, "");
   } catch (err) {
     showError(err.message);
-    document.getElementById("live").classList.add("stale");
+    setLive(false, err.message);
   }
   view.tick += 1;
   setTimeout(poll, POLL_MS);
+}
+
+// The badge: "live" while the source answers, "unavailable" (and why, on hover) once it fails.
+function setLive(ok, why) {
+  const live = document.getElementById("live");
+  live.classList.toggle("stale", !ok);
+  live.textContent = ok ? "live" : "unavailable";
+  live.title = ok ? "updates twice a second" : `the store cannot be read: ${why}`;
 }
 
 async function pollRuns() {
@@ -257,7 +265,7 @@ function drawChart() {
   const x = t => L + (W - L - R) * (t - t0) / span;
   const y = v => T + (H - T - B) * (1 - v / (maxSize + 0.5));
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img",
-    "aria-label": "world size over time", id: "chart-svg" });
+    "aria-label": "nodes over time", id: "chart-svg" });
   for (let v = 0; v <= maxSize; v += Math.max(1, Math.ceil(maxSize / 5))) {
     root.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: y(v), y2: y(v) }));
     root.append(svg("text", { class: "tick", x: L - 8, y: y(v) + 4, "text-anchor": "end" }, v));
@@ -296,7 +304,7 @@ function drawChart() {
   box.replaceChildren(root);
   const kinds = [...new Set(view.events.map(e => e.kind))];
   document.getElementById("legend").replaceChildren(
-    el("span", {}, el("span", { class: "dot", colour: "#2f6fde" }), "world size (nodes)"),
+    el("span", {}, el("span", { class: "dot", colour: "#2f6fde" }), "nodes"),
     ...kinds.map(k => el("span", {}, el("span", { class: "dot",
       colour: KIND_COLOURS[k] || "#8a94a3" }), k.replace(/_/g, " "))));
 }
