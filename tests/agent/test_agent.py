@@ -146,11 +146,18 @@ def test_a_node_the_others_need_stops_at_once(agents: Any, rdzv: Any) -> None:
 def test_the_node_serving_the_store_stops_at_once(agents: Any, rdzv: Any) -> None:
     if rdzv.backend != "tcp":
         pytest.skip("only the tcp backend has a node that serves the store")
-    nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 1))
+    args = rdzv.until_stopped("2:3", 1)
+    args[args.index("--rdzv-conf") + 1] += ",read_timeout=3"
+    nodes = rdzv.start(agents, 3, args)
     rdzv.running(3)
     nodes[0].signal(signal.SIGTERM)  # the first node serves the store the others need
     assert nodes[0].wait() == 128 + signal.SIGTERM, nodes[0].output()
-    assert "this node serves the rendezvous store, which the others need" in nodes[0].output()
+    assert "this node serves the rendezvous store (is_host), which the others need" in \
+        nodes[0].output()
+    for node in nodes[1:]:  # the others say that the store is what they miss, and stop
+        assert node.wait(60) == 1, node.output()
+        assert "the rendezvous store cannot be reached any more" in node.output(), node.output()
+        assert "Traceback" not in node.output()
 
 
 def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:

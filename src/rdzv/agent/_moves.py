@@ -162,8 +162,9 @@ def cannot_leave(node: Node, rules: Rules) -> str | None:
         return (f": the other nodes cannot go on without this one (min nodes "
                 f"{rules.min_nodes})")
     if rules.hosts_store:
-        return (": this node serves the rendezvous store, which the others need: it cannot "
-                "leave gracefully (run `rdzv serve` apart)")
+        return (": this node serves the rendezvous store (is_host), which the others need: "
+                "they stop too once it is gone (run `rdzv serve` apart, or etcd, for nodes "
+                "that can leave)")
     return None
 
 
@@ -180,6 +181,8 @@ def signalled(node: Node, event: Signalled, now: float, rules: Rules,
         return node, [say(f"{notice}, but this node is already leaving or done")]
     if (node.leave is not None and not pending) or signum == signals.SIGHUP or done:
         return stop_now(node, signum, "")
+    if rules.hosts_store and not notice and node.nodes > 1:  # (the others need it, at once)
+        return stop_now(node, signum, cannot_leave(node, rules) or "")
     name = signals.Signals(signum).name
     if node.phase is not Phase.RUNNING:  # leave once the transition is over
         return replace(node, leave=Leave(signum, now + rules.leave_grace, notice=notice)), [

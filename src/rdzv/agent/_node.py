@@ -28,6 +28,7 @@ from ..errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
     SessionExpiredError,
+    StoreConnectionError,
 )
 from ..rendezvous import RendezvousInfo
 from ._crew import Crew, Said
@@ -203,6 +204,8 @@ class NodeRun:
             return FormFailed("spare" if spare else "closed", str(exc))
         except RendezvousTimeoutError as exc:
             return FormFailed("timeout", f"{type(exc).__name__}: {exc}")
+        except StoreConnectionError as exc:
+            return FormFailed("store", str(exc))
         except RendezvousError as exc:
             return FormFailed("error", f"{type(exc).__name__}: {exc}")
         self.info = info

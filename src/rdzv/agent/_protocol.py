@@ -223,7 +223,8 @@ class Formed:
 @dataclass(frozen=True)
 class FormFailed:
     kind: str
-    """``closed``, ``spare`` (closed, and this node waited as a spare), ``graceful`` (asked to
+    """``closed``, ``spare`` (closed, and this node waited as a spare), ``store`` (its store
+    cannot be reached: gone with the node that hosted it?), ``graceful`` (asked to
     leave), ``timeout`` or ``error``."""
     message: str
 

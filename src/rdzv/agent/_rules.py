@@ -308,6 +308,12 @@ def _on_form_failed(node: Node, event: FormFailed, now: float, rules: Rules) -> 
                 "fail", f"the workers cannot restart: the rendezvous is closed "
                         f"({event.message})"))
         return exit_with(node, 1, act("stop", signals.SIGTERM), act("closed", event.message))
+    if event.kind == "store":
+        return exit_with(node, 1, act("stop", signals.SIGTERM), say(
+            f"the rendezvous store cannot be reached any more ({event.message}): the node that "
+            "hosted it (is_host) has probably left, taking the store with it, and this node "
+            "cannot go on without it; stopping. A store the nodes outlive (`rdzv serve`, etcd) "
+            "lets any node leave"))
     return exit_with(node, 1, act("stop", signals.SIGTERM),
                  say(f"rendezvous failed: {event.message}"))
 
