@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -57,6 +58,8 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
     text = status(rdzv).stdout
     assert "run job: complete" in text and "3 node(s)" in text and "127.0.0.1" in text
 
+    time.sleep(1.5)  # (so that "up" since the agent's start and since the round differ)
+    killed = time.monotonic()
     os.killpg(nodes[2].pid, signal.SIGKILL)
     nodes[2].wait()
     rdzv.running(4)
@@ -64,6 +67,8 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
                         "the re-formed round of 2")
     assert reformed["round"] > complete["round"]
     assert {m["pid"] for m in reformed["members"]} == {nodes[0].pid, nodes[1].pid}
+    since_kill = time.monotonic() - killed  # "up" counts from the agent's start, not the round
+    assert all(m["started_s_ago"] > since_kill + 1.0 for m in reformed["members"]), reformed
 
     rdzv.stop()
     assert [nodes[0].wait(), nodes[1].wait()] == [0, 0]

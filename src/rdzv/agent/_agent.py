@@ -96,6 +96,8 @@ class ElasticAgent:
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.channel_path = ""
         self._attempts = 0
+        self.started = time.time()
+        """When this agent started (wall time: what ``rdzv status`` shows as *up*)."""
 
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:

@@ -314,7 +314,8 @@ class NodeRun:
         leaving = leaving_ranks(self.group_info.store) if self.group_info is not None else ()
         write_record(info.store, node, build_record(
             node, self.config, self.agent.host, self._port, leaving,
-            getattr(self.handler, "node_id", None), time.monotonic() - self._joining_since))
+            getattr(self.handler, "node_id", None), time.monotonic() - self._joining_since,
+            self.agent.started))
 
     def _act_hint(self, inprocess: bool) -> None:
         assert self.info is not None

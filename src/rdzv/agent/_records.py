@@ -105,6 +105,8 @@ class NodeRecord:
     time: float = 0.0
     join_s: float = 0.0
     max_nodes: int | None = None
+    started: float = 0.0
+    """The wall time its agent started (``rdzv status``'s *up*)."""
 
     @property
     def present(self) -> list[int]:
@@ -228,6 +230,7 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
         _check(key, _is_int(data.get(name), name not in ("port", "pid")), f"malformed {name}")
     for name in ("step_time", "sampled", "time", "join_s"):
         _check(key, _is_number(data.get(name), name == "step_time"), f"malformed {name}")
+    _check(key, _is_number(data.get("started", 0.0)), "malformed started")
     for name in ("role", "host"):
         _check(key, isinstance(data.get(name), str), f"malformed {name}")
     _check(key, isinstance(data.get("restart_cause"), str), "malformed restart_cause")
@@ -246,7 +249,8 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
                       group_size=data["group_size"], held=tuple(data["held"]),
                       leaving=tuple(data["leaving"]), step_time=data["step_time"],
                       sampled=data["sampled"], node_id=data["node_id"], pid=data["pid"],
-                      time=data["time"], join_s=data["join_s"], max_nodes=data["max_nodes"])
+                      time=data["time"], join_s=data["join_s"], max_nodes=data["max_nodes"],
+                      started=data.get("started", 0.0))
 
 
 def dumps_decision(decision: Decision) -> str:

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_record(node: Node, config: LaunchConfig, host: str, port: int,
-                 leaving: tuple[int, ...], node_id: str | None, joined_s: float) -> NodeRecord:
+                 leaving: tuple[int, ...], node_id: str | None, joined_s: float,
+                 started: float) -> NodeRecord:
     """This node's record now: what each of its workers holds, at which step (extrapolated by
     the decision from ``sampled``), and the group they are in."""
     group, wall, now = node.group, time.time(), time.monotonic()
@@ -53,7 +54,7 @@ def build_record(node: Node, config: LaunchConfig, host: str, port: int,
         leaving=leaving, step_time=max((s.step_time for s in running if s.step_time),
                                        default=None),
         sampled=wall - (now - sampled), node_id=node_id, pid=os.getpid(), time=wall,
-        join_s=round(joined_s, 6), max_nodes=config.max_nodes)
+        join_s=round(joined_s, 6), max_nodes=config.max_nodes, started=started)
 
 
 def leaving_ranks(store: Store) -> tuple[int, ...]:

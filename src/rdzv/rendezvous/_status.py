@@ -41,7 +41,8 @@ class MemberStatus:
     nproc: int | None = None
     role: str | None = None
     started_s_ago: float | None = None
-    """Seconds since its agent finished joining this round."""
+    """Seconds since its agent started (agents of older versions: since it joined this
+    round)."""
     last_seen_s_ago: float | None = None
     """Seconds since its agent last wrote its sign of life (every few seconds while it runs)."""
     join_s: float | None = None
@@ -177,7 +178,7 @@ def read_status(store: Store, run_id: str, now: float | None = None) -> RunStatu
     members = []
     for rank, node_id in node_ids.items():
         entry = agents.get(rank, {})
-        stamp = entry.get("time")
+        stamp = entry.get("started") or entry.get("time")
         members.append(MemberStatus(
             rank=rank,
             alive=node_id in alive if node_id is not None else rank in last_seen,
@@ -232,7 +233,8 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"  no round has formed yet; {status.waiting} node(s) joined round 0"
                      + (" (min_nodes reached, last call running)" if status.armed else ""))
         return "\n".join(lines)
-    took = f", formed in {status.last_round_s:.2f} s" if status.last_round_s is not None else ""
+    took = (f", its slowest node joined in {status.last_round_s:.2f} s"
+            if status.last_round_s is not None else "")
     lines.append(f"  round {status.round}: {status.world_size} node(s){took}; workers' master "
                  f"{status.master or '?'}")
     lines.append(f"  {'rank':>4}  {'alive':7}  {'host':24} {'pid':>8}  {'workers':>7}  "

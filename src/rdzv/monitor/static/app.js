@@ -177,12 +177,16 @@ function drawRun() {
   document.getElementById("run-id").textContent = s.run_id ?? view.selected;
   const badge = document.getElementById("run-state");
   badge.textContent = s.state ?? "?"; badge.className = `badge ${s.state ?? ""}`;
+  // the round's formation as its round_formed event says (the events table's number), else
+  // the slowest join its nodes reported
+  const formed = view.events.filter(e => e.kind === "round_formed" && e.round === num(s.round)
+    && typeof e.fields.formation_s === "number").pop();
   const facts = [
     [num(s.round) === null ? "–" : s.round, "round"],
     [s.world_size ?? "?", "nodes"],
     [s.members.reduce((n, m) => n + (num(m.nproc) || 0), 0) || "?", "workers"],
     [s.spares ? `${s.spares} spare` : (s.waiting ?? "?"), "waiting"],
-    [seconds(s.last_round_s), "last round formed in"],
+    [seconds(formed ? formed.fields.formation_s : s.last_round_s), "last round formed in"],
     [s.master || "?", "workers' master"],
   ];
   document.getElementById("facts").replaceChildren(
