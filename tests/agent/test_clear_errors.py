@@ -100,6 +100,10 @@ def test_a_port_already_taken_is_named(launcher: Launcher) -> None:
     last = lines[-1][1]
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use: another process " \
            f"listens on port {port}" in last and "ss -ltnp" in last, lines
+    lines, code = timed(["status", f"tcp://127.0.0.1:{port}/job", "--web", str(port)])
+    assert code == 1 and no_traceback(lines), lines
+    assert f"cannot serve the web view on 127.0.0.1:{port}: Address already in use: another " \
+           f"process listens on port {port}" in lines[-1][1], lines
 
 
 def test_a_host_name_that_does_not_resolve_is_told_apart() -> None:

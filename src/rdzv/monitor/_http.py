@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hmac
 import json
 import logging
@@ -74,7 +75,14 @@ class MonitorServer:
         self.collector = MonitorCollector(source)
         self.secret = secret
         self.idle_timeout_s = idle_timeout_s
-        self._httpd = _HTTPServer((host, port), _Handler, self, max_connections)
+        try:
+            self._httpd = _HTTPServer((host, port), _Handler, self, max_connections)
+        except OSError as exc:
+            taken = (f": another process listens on port {port} (`ss -ltnp 'sport = :{port}'` "
+                     "names it): give another port to --web" if exc.errno == errno.EADDRINUSE
+                     else "")
+            raise OSError(exc.errno, f"cannot serve the web view on {host}:{port}: "
+                                     f"{exc.strerror}{taken}") from None
         self._thread: threading.Thread | None = None
 
     @property
