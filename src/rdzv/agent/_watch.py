@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import RendezvousError, SessionExpiredError
+from ..errors import RendezvousError, SessionExpiredError, StoreConnectionError
 from ..rendezvous import RendezvousHandler
 from ..store import Store
 from ._protocol import (
@@ -24,6 +24,7 @@ from ._protocol import (
     Changed,
     Decided,
     Expired,
+    FormFailed,
     Hinted,
     NextSeen,
     RecordsIn,
@@ -104,6 +105,10 @@ def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
                     post(change)
             except SessionExpiredError as exc:  # this node was paused past its ttl: its own
                 post(Expired(str(exc)))         # keys are gone, it is not one of the lost
+                return
+            except StoreConnectionError as exc:  # unreachable for the store's whole timeout:
+                if not stopped.is_set():        # gone (with the node that hosted it?)
+                    post(FormFailed("store", str(exc)))
                 return
             except (RendezvousError, OSError) as exc:
                 if stopped.is_set():
