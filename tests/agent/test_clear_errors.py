@@ -130,6 +130,8 @@ def test_status_of_a_store_that_is_gone_answers_within_5_s() -> None:
     text = "\n".join(line for _, line in lines)
     assert code == 1 and no_traceback(lines), text
     assert lines[-1][0] < 5.0 + 3.0, lines  # 5 s of tries (and the interpreter's start)
+    assert lines[0][0] < FIRST_LINE and "rdzv status: reaching the store of run 'job'" in \
+        lines[0][1] and "up to 5 s" in lines[0][1], lines
     assert "cannot open the store of run 'job'" in text and "(tried for 5 s)" in text, text
     assert "likely: the run has ended and its store went with the node that hosted it" in text
 

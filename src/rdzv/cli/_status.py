@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,8 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=status_command, log_level="WARNING")
 
 
+NOTICE_AFTER = 0.3
+"""Seconds reaching the store may take before ``rdzv status`` says what it waits for."""
 STORE_TIMEOUT = "5"
 """Seconds ``rdzv status`` tries to reach (and read) the store, unless read_timeout is given:
 a store that is gone (the job ended with the node that hosted it) is said within this."""
@@ -116,6 +119,16 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"rdzv status: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     try:
+        how = (f": up to {params.get_option('read_timeout'):g} s (read_timeout=SECONDS in the "
+               "URL's query or --rdzv-conf)")
+    except KeyError:  # a backend without that option
+        how = ""
+    notice = threading.Timer(NOTICE_AFTER, print, (
+        f"rdzv status: reaching the store of run {params.run_id!r} ({params.backend} "
+        f"{params.endpoint}){how}",), {"file": sys.stderr, "flush": True})
+    notice.daemon = True
+    notice.start()
+    try:
         store = open_store(params)
     except (RendezvousError, OSError) as exc:
         print(f"rdzv status: cannot open the store of run {params.run_id!r} "
@@ -125,6 +138,8 @@ def status_command(args: argparse.Namespace) -> int:
               "serve`, etcd) keeps a run's state and history after it ends; "
               "?read_timeout=SECONDS waits longer", file=sys.stderr)
         return 1
+    finally:
+        notice.cancel()
     if args.web is not None:
         return _serve_web(params, args.web, args.web_secret_file, store)
     if not args.watch and not args.follow:  # (a run watched may be about to start)
