@@ -98,6 +98,8 @@ class ElasticAgent:
         self._attempts = 0
         self.started = time.time()
         """When this agent started (wall time: what ``rdzv status`` shows as *up*)."""
+        self.store_gone = False
+        """The rendezvous store could not be reached for its whole timeout."""
 
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -181,6 +183,8 @@ class ElasticAgent:
             error=read_error_file(error_file))
 
     def _shutdown_handler(self) -> None:
+        if self.store_gone:  # leaving would only wait on it, for its timeout
+            return
         try:
             self.handler.shutdown()
         except RendezvousError as exc:

@@ -35,6 +35,7 @@ from ._crew import Crew, Said
 from ._decide import DecideContext
 from ._errors import WorkerFailure, failure_summary
 from ._hang import hang_due
+from ._forming import Forming
 from ._health import Health, PerfSeen
 from ._history import (
     MAX_FAILURES,
@@ -128,10 +129,7 @@ class NodeRun:
         """The round whose group the workers run in."""
         self.exit_code: int | None = None
         self._future: Future[RendezvousInfo] | None = None
-        self._joining_since = time.monotonic()
-        self._said_waiting = 0.0
-        self._spare = False
-        self._last_call_said = False
+        self.forming = Forming(agent)
         self.watches = Watches(self.handler)
         self._failures: list[WorkerFailure] = []
         self._paused: tuple[float, str] | None = None
@@ -191,7 +189,7 @@ class NodeRun:
                 self.health.assess(self.handler, self.info, event)
             return None
         if isinstance(event, Tick) and self.node.phase is Phase.FORMING:
-            self._say_waiting()
+            self.forming.tick(bool(self.node.live))
         return event
 
     def _formed(self, future: "Future[RendezvousInfo]") -> Any:
@@ -200,7 +198,7 @@ class NodeRun:
         except RendezvousGracefulExitError as exc:
             return FormFailed("graceful", str(exc))
         except RendezvousClosedError as exc:
-            spare = self._spare and not self._failures
+            spare = self.forming.spare and not self._failures
             return FormFailed("spare" if spare else "closed", str(exc))
         except RendezvousTimeoutError as exc:
             return FormFailed("timeout", f"{type(exc).__name__}: {exc}")
@@ -212,7 +210,7 @@ class NodeRun:
         if self.node.gen == 0:
             self.rules = replace(self.rules, hosts_store=hosts_store(info.store))
         self._port = reserve_workers_port(self.agent.host)
-        self.agent.say(f"round formed in {time.monotonic() - self._joining_since:.2f} s: this "
+        self.agent.say(f"round formed in {time.monotonic() - self.forming.since:.2f} s: this "
                        f"node is group rank {info.rank} of {info.world_size}")
         return Formed(self.node.gen + 1, info.rank, info.world_size)
 
@@ -229,36 +227,6 @@ class NodeRun:
                 error = failure.error.message.strip().splitlines()[0][:200]
             error = ended or error
         return Exited(event.local_rank, event.returncode, error)
-
-    def _say_waiting(self) -> None:
-        now = time.monotonic()
-        try:
-            spare = self.handler.is_spare()
-        except RendezvousError:
-            spare = self._spare
-        if spare != self._spare:
-            self._spare = spare
-            if spare:
-                self.agent.say(f"waiting as a spare: the job runs at its maximum of "
-                               f"{self.config.max_nodes} node(s); this node takes the place of "
-                               "one that leaves or is lost")
-        forming = getattr(self.handler, "forming", lambda: None)()
-        last_call = forming is not None and forming[1] is not None
-        news = last_call and not self._last_call_said  # the last call began: said at once
-        if spare or (not news and now - self._said_waiting < EVERY):
-            return
-        self._said_waiting, self._last_call_said = now, last_call
-        waited, config = now - self._joining_since, self.config
-        joined = "" if forming is None else (
-            f": {forming[0]} joined, {config.min_nodes} needed" if forming[1] is None else
-            f": {forming[0]} joined (min {config.min_nodes} reached); the last call waits "
-            f"{forming[1]:.0f} s more for up to {config.max_nodes} (--rdzv-conf "
-            "last_call_timeout=SECONDS)")
-        if self.node.live:
-            self.agent.say(f"the survivors wait for enough nodes to re-form ({waited:.0f} s"
-                           f"{joined}); training resumes in-process then")
-        else:
-            self.agent.say(f"still waiting for nodes ({waited:.0f} s){joined}")
 
     # -- actions ------------------------------------------------------------------------------
     def _do(self, action: Act) -> None:
@@ -284,8 +252,7 @@ class NodeRun:
             config = self.config
             self.agent.say(f"waiting for nodes: {config.min_nodes}..{config.max_nodes} for run "
                            f"{config.run_id!r} ({config.rdzv_backend} {config.rdzv_endpoint})")
-        self._joining_since = self._said_waiting = time.monotonic()
-        self._last_call_said = False
+        self.forming.begin()
         future = self.handler.next_rendezvous_async()
         self._future = future
         future.add_done_callback(lambda f: self.events.put(RoundResult(f)))
@@ -314,7 +281,7 @@ class NodeRun:
         leaving = leaving_ranks(self.group_info.store) if self.group_info is not None else ()
         write_record(info.store, node, build_record(
             node, self.config, self.agent.host, self._port, leaving,
-            getattr(self.handler, "node_id", None), time.monotonic() - self._joining_since,
+            getattr(self.handler, "node_id", None), time.monotonic() - self.forming.since,
             self.agent.started))
 
     def _act_hint(self, inprocess: bool) -> None:
@@ -490,6 +457,9 @@ class NodeRun:
 
     def _act_spare_done(self) -> None:
         self.agent.say("the job finished without needing this spare node")
+
+    def _act_store_lost(self) -> None:
+        self.agent.store_gone = True
 
     def _act_exit(self, code: int) -> None:
         self.exit_code = code

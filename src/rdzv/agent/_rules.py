@@ -309,7 +309,7 @@ def _on_form_failed(node: Node, event: FormFailed, now: float, rules: Rules) -> 
                         f"({event.message})"))
         return exit_with(node, 1, act("stop", signals.SIGTERM), act("closed", event.message))
     if event.kind == "store":
-        return exit_with(node, 1, act("stop", signals.SIGTERM), say(
+        return exit_with(node, 1, act("stop", signals.SIGTERM), act("store_lost"), say(
             f"the rendezvous store cannot be reached any more ({event.message}): the node that "
             "hosted it (is_host) has probably left, taking the store with it, and this node "
             "cannot go on without it; stopping. A store the nodes outlive (`rdzv serve`, etcd) "
