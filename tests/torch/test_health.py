@@ -102,6 +102,8 @@ def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
     args = agent_args(tmp_path, port, example(tmp_path, 700))
     args[args.index("--nnodes") + 1] = "1:2"
     args.insert(args.index("--max-restarts"), "--replace-stragglers")
+    # signs of life every 3.3 s (a third of a 10 s session ttl): the flag comes ~10 s after
+    args[args.index("--rdzv-conf") + 1] += ",heartbeat_interval=1,heartbeat_misses=10"
     healthy = launcher.start(args)
     slow = launcher.start(args, env={"RDZV_EXAMPLE_SLOW": "0.035", "RDZV_EXAMPLE_SLOW_FROM": "80"})
     web = free_port()
