@@ -71,12 +71,17 @@ def test_the_page_shows_the_run_and_follows_a_join(agents: Any, rdzv: Any, tmp_p
         assert "cause: join" in joined.text_content()
         assert page.locator("#chart-svg line[data-kind='round_formed']").count() >= 2
         rdzv.running(3)
+        expect(page.locator("#live")).to_have_text("live")
+        rdzv.stop()
+        assert [n.wait() for n in nodes] == [0, 0, 0]
+        if rdzv.backend == "tcp":  # the store went with the node that hosted it: the page says so
+            expect(page.locator("#live")).to_have_text("unavailable", timeout=JOIN * 1000)
+            assert "the store cannot be read" in (page.locator("#live").get_attribute("title")
+                                                  or "")
     finally:
         views.kill_all()
     foreign = [u for u in page.requested if urlsplit(u).hostname != "127.0.0.1"]
     assert page.requested and not foreign, f"requests to other hosts: {foreign}"
-    rdzv.stop()
-    assert [n.wait() for n in nodes] == [0, 0, 0]
 
 
 def test_metrics_of_a_real_run_match_its_history(agents: Any, tmp_path: Path) -> None:
