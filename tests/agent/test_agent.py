@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -150,6 +151,7 @@ def test_the_node_serving_the_store_stops_at_once(agents: Any, rdzv: Any) -> Non
     args[args.index("--rdzv-conf") + 1] += ",read_timeout=3"
     nodes = rdzv.start(agents, 3, args)
     rdzv.running(3)
+    signalled = time.monotonic()
     nodes[0].signal(signal.SIGTERM)  # the first node serves the store the others need
     assert nodes[0].wait() == 128 + signal.SIGTERM, nodes[0].output()
     assert "this node serves the rendezvous store (is_host), which the others need" in \
@@ -158,6 +160,8 @@ def test_the_node_serving_the_store_stops_at_once(agents: Any, rdzv: Any) -> Non
         assert node.wait(60) == 1, node.output()
         assert "the rendezvous store cannot be reached any more" in node.output(), node.output()
         assert "Traceback" not in node.output()
+    # within their read timeout (3 s) and their exit, not several timeouts (a loaded machine)
+    assert time.monotonic() - signalled < 4 * 3, time.monotonic() - signalled
 
 
 def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:

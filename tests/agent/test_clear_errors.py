@@ -145,9 +145,13 @@ def test_the_last_call_is_named_when_it_begins(launcher: Launcher) -> None:
             f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf",
             "is_host=0,last_call_timeout=6", PRINT_RANK]
     nodes = [launcher.start(argv) for _ in range(2)]
+    wait_for(lambda: all("waiting for nodes" in node.output() for node in nodes), 30,
+             "both nodes joining")
+    joined = time.monotonic()
     said = wait_for(lambda: next((line for line in nodes[0].output().splitlines()
                                   if "the last call waits" in line), None), 30,
                     "the last call, said")
+    assert time.monotonic() - joined < 2 * FIRST_LINE + 1.0  # said as it begins (ticks: 1 s)
     assert "2 joined (min 1 reached); the last call waits" in said or \
         "1 joined (min 1 reached); the last call waits" in said, said
     assert "for up to 3 (--rdzv-conf last_call_timeout=SECONDS)" in said, said
