@@ -108,3 +108,9 @@ def _endpoint_error(endpoint: str, part: str) -> RendezvousParameterError:
     return RendezvousParameterError(
         f"{problem} Give HOST:PORT, e.g. '10.0.0.1:29400', 'node-0:29400' or '[::1]:29400'."
     )
+
+
+def port_taken(port: int) -> str:
+    """What to add to an "Address already in use" error about ``port``."""
+    return (f": another process listens on port {port} (`ss -ltnp 'sport = :{port}'` names it): "
+            "stop it, or give another port")

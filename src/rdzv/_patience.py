@@ -8,14 +8,31 @@ start in any order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 FIRST_AFTER = 1.0
 """Seconds a wait lasts before its first line: one that ends sooner is no news."""
 EVERY = 10.0
 """Seconds between two lines about the same wait."""
+NOTICE_AFTER = 0.3
+"""Seconds a command's wait may last before it says what it waits for."""
+
+
+@contextlib.contextmanager
+def notice_if_slow(say: Callable[[str], None], text: str) -> Iterator[None]:
+    """Run the block; ``say(text)`` once if it is still running after ``NOTICE_AFTER``."""
+    timer = threading.Timer(NOTICE_AFTER, say, (text,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
 
 
 class Patience:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 from dataclasses import replace
 
+from .._patience import notice_if_slow
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler, RendezvousParameters, get_rendezvous_handler
 from ._agent import ElasticAgent, say
@@ -22,8 +22,6 @@ logger = logging.getLogger(__name__)
 USAGE_ERROR = 2
 FAILED = 1
 """The exit code of a run that could not start or failed (the workers', past restarts)."""
-NOTICE_AFTER = 0.3
-"""Seconds reaching the rendezvous may take before the console says what it waits for."""
 
 STANDALONE_HOST = "127.0.0.1"
 
@@ -61,15 +59,9 @@ def open_handler(config: LaunchConfig) -> RendezvousHandler:
                "read_timeout=SECONDS)")
     except KeyError:  # a backend without that option (static)
         how = "retrying"
-    notice = threading.Timer(NOTICE_AFTER, say, (
-        f"reaching the rendezvous store ({config.rdzv_backend} {config.rdzv_endpoint}) for run "
-        f"{config.run_id!r}: {how}",))
-    notice.daemon = True
-    notice.start()
-    try:
+    with notice_if_slow(say, f"reaching the rendezvous store ({config.rdzv_backend} "
+                             f"{config.rdzv_endpoint}) for run {config.run_id!r}: {how}"):
         return get_rendezvous_handler(params)
-    finally:
-        notice.cancel()
 
 
 def unreachable(config: LaunchConfig, exc: RendezvousError) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -60,11 +59,13 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=status_command, log_level="WARNING")
 
 
-NOTICE_AFTER = 0.3
-"""Seconds reaching the store may take before ``rdzv status`` says what it waits for."""
 STORE_TIMEOUT = "5"
 """Seconds ``rdzv status`` tries to reach (and read) the store, unless read_timeout is given:
 a store that is gone (the job ended with the node that hosted it) is said within this."""
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _parameters(args: argparse.Namespace) -> Any:
@@ -97,6 +98,7 @@ def status_command(args: argparse.Namespace) -> int:
     from ..errors import RendezvousError
     from ..rendezvous._layout import RunKeys
     from ..rendezvous._status import format_status, open_store, read_status, unknown_run
+    from .._patience import notice_if_slow
     from ..rendezvous._timeline import parse_since
 
     if args.interval <= 0 or args.count < 0:
@@ -123,13 +125,10 @@ def status_command(args: argparse.Namespace) -> int:
                "URL's query or --rdzv-conf)")
     except KeyError:  # a backend without that option
         how = ""
-    notice = threading.Timer(NOTICE_AFTER, print, (
-        f"rdzv status: reaching the store of run {params.run_id!r} ({params.backend} "
-        f"{params.endpoint}){how}",), {"file": sys.stderr, "flush": True})
-    notice.daemon = True
-    notice.start()
     try:
-        store = open_store(params)
+        with notice_if_slow(_say, f"rdzv status: reaching the store of run {params.run_id!r} "
+                                  f"({params.backend} {params.endpoint}){how}"):
+            store = open_store(params)
     except (RendezvousError, OSError) as exc:
         print(f"rdzv status: cannot open the store of run {params.run_id!r} "
               f"({params.backend} {params.endpoint}): {exc}\n  likely: the run has ended and "
@@ -138,8 +137,6 @@ def status_command(args: argparse.Namespace) -> int:
               "serve`, etcd) keeps a run's state and history after it ends; "
               "?read_timeout=SECONDS waits longer", file=sys.stderr)
         return 1
-    finally:
-        notice.cancel()
     if args.web is not None:
         return _serve_web(params, args.web, args.web_secret_file, store)
     if not args.watch and not args.follow:  # (a run watched may be about to start)

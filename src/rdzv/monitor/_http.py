@@ -37,6 +37,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from ._cli import DEFAULT_HOST, is_loopback
 from ._prometheus import MonitorCollector, render_metrics, require_prometheus
+from .._address import port_taken
 from ..errors import SourceUnavailable
 from ._source import RunSource, run_payload, runs_payload
 
@@ -78,9 +79,7 @@ class MonitorServer:
         try:
             self._httpd = _HTTPServer((host, port), _Handler, self, max_connections)
         except OSError as exc:
-            taken = (f": another process listens on port {port} (`ss -ltnp 'sport = :{port}'` "
-                     "names it): give another port to --web" if exc.errno == errno.EADDRINUSE
-                     else "")
+            taken = port_taken(port) if exc.errno == errno.EADDRINUSE else ""
             raise OSError(exc.errno, f"cannot serve the web view on {host}:{port}: "
                                      f"{exc.strerror}{taken}") from None
         self._thread: threading.Thread | None = None

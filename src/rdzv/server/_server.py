@@ -21,7 +21,7 @@ import socket
 import threading
 from typing import Any
 
-from .._address import check_host, check_port
+from .._address import check_host, check_port, port_taken
 from ..errors import StoreError
 from ..store._state import KVState
 from . import _auth
@@ -71,11 +71,7 @@ def _listen_socket(host: str | None, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as exc:
         sock.close()
-        hint = ""
-        if exc.errno == errno.EADDRINUSE:
-            hint = (f": another process listens on port {port} (another `rdzv serve`, or a "
-                    f"job's store; `ss -ltnp 'sport = :{port}'` names it): stop it, or give "
-                    "another port")
+        hint = port_taken(port) if exc.errno == errno.EADDRINUSE else ""
         raise OSError(exc.errno, f"cannot listen on {bind_host}:{port}: {exc.strerror}{hint}"
                       ) from None
     return sock
