@@ -5,6 +5,8 @@ Only this package imports torch (``pip install rdzv[torch]``); the rest of rdzv 
 * :class:`TorchStore` -- any rdzv store as a real ``torch.distributed.Store``.
 * :func:`init_process_group` -- one call in a worker started by ``rdzv run`` or torchrun.
 * :class:`ElasticState` -- a training loop that goes on through membership changes in-process.
+* :func:`node_mesh` -- the device mesh of a node's workers: FSDP2 within nodes, replicas across
+  them that follow membership in-process (HSDP).
 * :class:`TorchRendezvousHandler` -- rdzv's backends for torch's agent; torchrun finds them
   through the ``torchrun.handlers`` entry points as ``rdzv-tcp``, ``rdzv-file``, ``rdzv-etcd``.
 
@@ -20,6 +22,7 @@ from ._handler import (
     register_torch_backends,
 )
 from ._init import destroy_process_group, init_process_group
+from ._nodegroup import node_mesh
 from ._plugin import (
     torchrun_handler_creator,  # first: torch may load it while we import torch
 )
@@ -34,6 +37,7 @@ __all__ = [
     "create_torch_handler",
     "destroy_process_group",
     "init_process_group",
+    "node_mesh",
     "register_torch_backends",
     "torchrun_handler_creator",
 ]

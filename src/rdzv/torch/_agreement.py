@@ -28,6 +28,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import RendezvousStateError
+
 logger = logging.getLogger(__name__)
 
 MASK = (1 << 64) - 1
@@ -47,29 +49,64 @@ class Holding:
     digest: tuple[int, int, int]
 
 
-def agree(holdings: Sequence[Holding], decided: int | None) -> tuple[int | None, list[int]]:
-    """(source, receivers) for the workers of a group (index = global rank): the source holds
-    the most advanced state (``decided`` if it does, else the lowest such rank), every worker
-    whose state differs from it receives it. (None, []) when nobody holds a state: every worker
-    starts from its own (its checkpoint)."""
-    holders = [rank for rank, holding in enumerate(holdings) if not holding.fresh]
-    if not holders:
-        return None, []
-    top = max(holdings[rank].step for rank in holders)
-    best = [rank for rank in holders if holdings[rank].step == top]
-    source = decided if decided in best else min(best)
-    want = (holdings[source].step, holdings[source].digest)
-    receivers = [rank for rank, holding in enumerate(holdings) if rank != source and (
-        holding.fresh or (holding.step, holding.digest) != want)]
-    return source, receivers
+@dataclass(frozen=True)
+class Agreement:
+    """Who sends the group's state to whom: ``sources[i]`` sends shard ``i`` (the whole state
+    unless the model is sharded) to ``receivers[i]``. No sources: nobody holds a state, every
+    worker starts from its own (its checkpoint)."""
+
+    sources: tuple[int, ...] = ()
+    receivers: tuple[tuple[int, ...], ...] = ()
+
+    def source_of(self, rank: int) -> int:
+        """The rank whose state ``rank`` must hold (its shard's source)."""
+        return self.sources[rank % len(self.sources)]
 
 
-def divergent(holdings: Sequence[Holding], source: int) -> list[int]:
-    """The ranks that held another state than the source at the source's step (a divergence
+def agree(holdings: Sequence[Holding], decided: int | None, shards: int = 1) -> Agreement:
+    """Who sends what among the workers of a group (index = global rank). Each worker holds one
+    of ``shards`` parts of the state, rank ``r`` part ``r % shards``, so that node ``n`` (ranks
+    ``n*shards`` to ``n*shards + shards - 1``) holds a whole copy (one part: each worker holds the
+    whole state, as with DDP). The source node holds the most advanced whole state: all its
+    parts at one step, the highest; ``decided``'s node if it is such, else the first. Every
+    worker whose part differs from the source node's same part (or that is fresh) receives it.
+
+    A state is whole on no node while some workers hold parts (a node's workers applied a step
+    unevenly and no node holds it all): ``RendezvousStateError``, the state cannot be made one
+    in memory (the workers restart from their checkpoint)."""
+    if shards < 1 or len(holdings) % shards:
+        raise RendezvousStateError(f"{len(holdings)} workers cannot hold {shards} parts each "
+                                   "node: every node must run as many workers")
+    nodes = [holdings[first:first + shards] for first in range(0, len(holdings), shards)]
+    whole = [n for n, parts in enumerate(nodes) if not any(p.fresh for p in parts) and
+             len({p.step for p in parts}) == 1]
+    if not whole:
+        if any(not h.fresh for h in holdings):
+            raise RendezvousStateError(
+                "no node holds every part of the state at one step (steps "
+                f"{[h.step for h in holdings]}): it cannot be made one in memory")
+        return Agreement()
+    top = max(nodes[n][0].step for n in whole)
+    best = [n for n in whole if nodes[n][0].step == top]
+    chosen = decided // shards if decided is not None and decided // shards in best else best[0]
+    sources = tuple(chosen * shards + part for part in range(shards))
+    receivers = tuple(tuple(
+        rank for rank in range(part, len(holdings), shards) if rank != source and (
+            holdings[rank].fresh or (holdings[rank].step, holdings[rank].digest) !=
+            (holdings[source].step, holdings[source].digest)))
+        for part, source in enumerate(sources))
+    return Agreement(sources, receivers)
+
+
+def divergent(holdings: Sequence[Holding], agreement: Agreement) -> list[int]:
+    """The ranks that held another state than their source at the source's step (a divergence
     that only a protocol error causes: they receive the source's state, but say so)."""
-    want = holdings[source]
-    return [rank for rank, holding in enumerate(holdings) if not holding.fresh and
-            holding.step == want.step and holding.digest != want.digest]
+    odd = []
+    for rank, holding in enumerate(holdings):
+        want = holdings[agreement.source_of(rank)]
+        if not holding.fresh and holding.step == want.step and holding.digest != want.digest:
+            odd.append(rank)
+    return odd
 
 
 def _sums(tensor: torch.Tensor) -> tuple[int, int]:

@@ -43,7 +43,7 @@ from .._messages import (
     Progress,
     Where,
 )
-from ..errors import RendezvousParameterError
+from ..errors import RendezvousParameterError, RendezvousStateError
 from ._agreement import agree, divergent, gather_holdings, state_digest
 from ._group import (
     AgentLink,
@@ -56,6 +56,7 @@ from ._group import (
     joined_plan,
     leave_group,
 )
+from ._sharded import Sharded, is_sharded
 from ._statesync import encode_tree, receive_state, send_state
 from ._steptime import StepTimer
 
@@ -116,9 +117,13 @@ class ElasticState:
         """Whether the workers of the current group are known to hold one state."""
         self._created = self._agreed = 0.0
         """When the group being entered was created, and its state agreed (perf_counter)."""
+        self._shards = Sharded(model, optimizer) if is_sharded(model) else None  # type: ignore[arg-type]
+        """The model's shards and replicas, for a model sharded over ``node_mesh()``."""
         self._link: AgentLink | None = agent_link()
         if self._link is None:
             self._synced = True  # torchrun: the program restores one state everywhere
+            if self._shards is not None:
+                self._shards.enter()
             return
         self._timer = StepTimer(model, optimizer)
         self._link.where = self._where
@@ -205,6 +210,13 @@ class ElasticState:
             taken = link.take()
             if taken is not None:  # (an abort may have dropped it since)
                 self._move(*taken)
+
+    def reduce_gradients(self) -> None:
+        """For a model sharded over ``node_mesh()``: average the gradients over the nodes now
+        (before clipping them, say), not in the optimizer's step as by default. Nothing for a
+        model that is not sharded (DDP reduces in backward)."""
+        if self._shards is not None:
+            self._shards.reduce()
 
     def run(self, train: Callable[[], T]) -> T | None:
         """Call ``train()`` (the training loop) and return what it returns; when a member of the
@@ -323,22 +335,31 @@ class ElasticState:
         the ``decided`` source if it holds the most advanced one; whether this worker received
         it."""
         device = self._device()
-        skeleton, tensors = encode_tree(self._tree())
-        digest = (0, 0, 0) if fresh else state_digest(skeleton, tensors)
-        holdings = gather_holdings(self.step, fresh, digest, device)
-        source, receivers = agree(holdings, decided)
+        try:
+            if self._shards is not None:
+                self._shards.enter()
+            skeleton, tensors = encode_tree(self._tree())
+            digest = (0, 0, 0) if fresh else state_digest(skeleton, tensors)
+            holdings = gather_holdings(self.step, fresh, digest, device)
+            agreement = agree(holdings, decided, self._shards.node.size if self._shards else 1)
+        except RendezvousStateError as exc:
+            assert self._link is not None
+            self._link.send(Failed(str(exc)))
+            raise SwitchError(f"the group cannot agree on one state: {exc}") from exc
         self._agreed = time.perf_counter()
-        if source is None:
+        if not agreement.sources:
             return False
-        odd = divergent(holdings, source)
+        odd = divergent(holdings, agreement)
         if odd:
-            logger.warning("ranks %s held other parameters than rank %d at step %d: they "
-                           "receive its state", odd, source, self.step)
-        if not receivers:
+            logger.warning("ranks %s held other parameters than their source (ranks %s) at "
+                           "step %d: they receive its state", odd, agreement.sources, self.step)
+        if not any(agreement.receivers):
             return False
         me = dist.get_rank()  # in the new group (this worker's rank changes with it)
+        source = agreement.source_of(me)
+        receivers = list(agreement.receivers[agreement.sources.index(source)])
         received = me in receivers
-        if me == source:
+        if me == source and receivers:
             sent = send_state(self._tree(), receivers, device)
             logger.info("sent %d bytes of state to ranks %s", sent, receivers)
         elif received:
@@ -346,15 +367,16 @@ class ElasticState:
             digest = state_digest(*encode_tree(self._tree()))
         after = gather_holdings(self.step, False, digest, device)
         self._agreed = time.perf_counter()
-        differ = [rank for rank, h in enumerate(after)
-                  if (h.step, h.digest) != (after[source].step, after[source].digest)]
+        differ = [rank for rank, h in enumerate(after) if (h.step, h.digest) != (
+            after[agreement.source_of(rank)].step, after[agreement.source_of(rank)].digest)]
         if differ:
             assert self._link is not None
-            self._link.send(Failed(f"ranks {differ} hold another state than rank {source} "
-                                   "after receiving it"))
-            raise SwitchError(f"ranks {differ} still hold another state than rank {source} "
-                              f"after receiving it (before: {holdings}; after: {after}): is "
-                              "every node running the same program?")
+            self._link.send(Failed(f"ranks {differ} hold another state than their source "
+                                   f"(ranks {agreement.sources}) after receiving it"))
+            raise SwitchError(f"ranks {differ} still hold another state than their source "
+                              f"(ranks {agreement.sources}) after receiving it (before: "
+                              f"{holdings}; after: {after}): is every node running the same "
+                              "program?")
         return received
 
     def _entered(self, plan: Plan, started: float, received: bool,
@@ -384,15 +406,19 @@ class ElasticState:
 
     # -- the state ----------------------------------------------------------------------------
     def _tree(self) -> dict[str, Any]:
+        if self._shards is not None:
+            return {"step": self.step, "values": self.values, **self._shards.tree()}
         return {"step": self.step, "values": self.values,
                 "model": dict(self.model.state_dict()) if self.model is not None else None,
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def _apply(self, tree: Any) -> None:
         try:
-            if self.model is not None:
+            if self._shards is not None:
+                self._shards.apply(tree)
+            elif self.model is not None:
                 self.model.load_state_dict(tree["model"])
-            if self.optimizer is not None:
+            if self.optimizer is not None and self._shards is None:
                 self.optimizer.load_state_dict(tree["optimizer"])
             self.step = int(tree["step"])
             self.values.clear()

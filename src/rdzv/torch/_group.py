@@ -58,6 +58,9 @@ group_sockets = GroupSockets()
 group_options: dict[str, Any] = {"timeout": timedelta(minutes=10), "kwargs": {}}
 """How ``init_process_group`` was called (timeout, other keywords such as ``device_id``): every
 group this worker creates in-process is made the same way."""
+entering_hooks: list[Callable[[], None]] = []
+"""Called in every group this worker enters, once it is created (among its sockets, so that an
+abort reaches them too): the node's own group renews its backend (``_nodegroup``)."""
 
 
 class SwitchError(RendezvousError):
@@ -327,6 +330,8 @@ def enter_group(backend: str, plan: Plan, aborts: int) -> None:
             dist.init_process_group(backend, store=dist.PrefixStore(f"{plan.prefix}/", store),
                                     rank=plan.rank, world_size=plan.world_size,
                                     timeout=group_options["timeout"], **group_options["kwargs"])
+            for hook in entering_hooks:
+                hook()
     except GroupLost:
         raise
     except Exception as exc:  # torch raises RuntimeError, DistError, DistNetworkError, ...
