@@ -1,0 +1,125 @@
+"""Sharded training (FSDP2 within each node, replicas across nodes) through membership changes:
+real agents, real torch (gloo, CPU), two workers per node, ``examples/elastic_fsdp.py``.
+
+Under ``rdzv run`` a join, a graceful leave and a killed node are each made in-process: no worker
+restarts, every change is followed by a check (a collective) that the replicas agree, rank 0's
+steps stay consecutive (at most one redone for the kill) and the loss keeps going down. Under
+torchrun the same script restarts and resumes from its DCP checkpoint, also on another number
+of nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _launcher import EXAMPLES, PYTHON, RDZV_RUN, Launcher, free_port
+from _waiting import eventually as wait_for
+
+EXAMPLE = str(EXAMPLES / "elastic_fsdp.py")
+PHASE_TIMEOUT = 150.0
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rdzv_run(tmp_path: Path, port: int, nnodes: str, steps: int, *extra: str) -> list[str]:
+    """An agent of two workers running the example; the first round waits 5 s for more nodes."""
+    return [*RDZV_RUN, "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "tcp",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hsdp",
+            "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
+            "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5", "--max-restarts", "0",
+            EXAMPLE, "--steps", str(steps), "--checkpoint", str(tmp_path / "ckpt"),
+            "--progress", str(tmp_path / "progress.jsonl"), "--checks",
+            str(tmp_path / "checks.jsonl"), "--log-every", "1", "--save-every", "1000",
+            "--step-sleep", "0.03", *extra]
+
+
+@pytest.mark.timeout(900)
+def test_sharded_training_survives_a_join_a_leave_and_a_kill_in_process(
+        launcher: Launcher, tmp_path: Path) -> None:
+    log, checks = tmp_path / "progress.jsonl", tmp_path / "checks.jsonl"
+    args = rdzv_run(tmp_path, free_port(), "1:3", 420)
+    first = launcher.start(args)  # it serves the store: the others may leave or die
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    second = launcher.start(args)
+
+    def steps_at(world_size: int, after: int = 0) -> int:
+        return sum(1 for e in lines(log)[after:] if e["world_size"] == world_size)
+
+    wait_for(lambda: steps_at(4) >= 20, PHASE_TIMEOUT, "20 steps of 2 nodes")
+    third = launcher.start(args)
+    wait_for(lambda: steps_at(6) >= 20, PHASE_TIMEOUT, "20 steps of 3 nodes after a join")
+    before = len(lines(log))
+    second.signal(signal.SIGTERM)  # the agent only: its workers train on until the switch
+    assert second.wait(PHASE_TIMEOUT) == 0, second.output()[-5000:]
+    wait_for(lambda: steps_at(4, before) >= 20, PHASE_TIMEOUT, "20 steps after a graceful leave")
+    os.killpg(third.pid, signal.SIGKILL)  # the agent and both its workers, mid-step
+    third.wait(PHASE_TIMEOUT)
+    assert first.wait(PHASE_TIMEOUT * 2) == 0, first.output()[-8000:]
+
+    text = first.output()
+    # --max-restarts 0 and one start of the node's two workers: nothing restarted.
+    assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text
+    switches = [int(s) for s in re.findall(r"switched in \d+ ms at step (\d+)", text)]
+    recoveries = [int(s) for s in re.findall(r"recovered in-process in \d+ ms at step (\d+)",
+                                             text)]
+    assert len(switches) == 2 and len(recoveries) == 1, text
+    assert "restarting" not in text
+    # After every change the replicas agree (checked by a collective of every worker).
+    checked = lines(checks)
+    assert [c["world_size"] for c in checked] == [4, 6, 4, 2], checked
+    assert all(c["agree"] for c in checked), checked
+    assert [c["step"] for c in checked[1:3]] == switches
+    # The newcomer's workers received their shards from a running node, not from disk.
+    assert re.search(r"\[[45]\]:starting at step \d+ with world size 6 \(joined a running job\)",
+                     third.output()), third.output()[-5000:]
+    entries = lines(log)
+    steps = [e["step"] for e in entries]
+    assert steps[-1] == 420
+    jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
+    # Consecutive through the join and the leave; at most one step redone (or finished by a
+    # survivor rank 0 adopted) for the kill.
+    assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
+    assert all(a > switches[-1] for a, _ in jumps), (jumps, switches)
+    losses = [e["loss"] for e in entries]
+    assert losses[-1] < losses[0] / 4, (losses[0], losses[-1])
+    assert "DIFFERENT" not in text
+
+
+@pytest.mark.timeout(600)
+def test_sharded_checkpoint_resumes_under_torchrun_and_on_more_nodes(
+        launcher: Launcher, tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "ckpt")
+    torchrun = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--rdzv-backend", "rdzv-tcp", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                "--rdzv-id", "train", "--local-addr", "127.0.0.1", "--max-restarts", "1",
+                "--monitor-interval", "0.2", EXAMPLE, "--steps", "60", "--checkpoint",
+                checkpoint, "--log-every", "5", "--save-every", "10", "--step-sleep", "0.05"]
+    agent = launcher.start(torchrun)
+    wait_for(lambda: "step 25 world_size 2" in agent.output(), PHASE_TIMEOUT, "25 steps")
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+    os.kill(int(children[-1]), signal.SIGKILL)  # a worker: torchrun restarts both
+    assert agent.wait(PHASE_TIMEOUT) == 0, agent.output()[-5000:]
+    text = agent.output()
+    resumed = re.search(r"starting at step (\d+) with world size 2 \(restart 1\)", text)
+    assert resumed and int(resumed.group(1)) >= 20 and int(resumed.group(1)) % 10 == 0, text
+    assert "done: 60 steps" in text
+
+    # The same checkpoint, written by one node, loads into two (rdzv run, in-process mode).
+    args = rdzv_run(tmp_path, free_port(), "2", 80)
+    nodes = [launcher.start(args) for _ in range(2)]
+    assert [node.wait(PHASE_TIMEOUT) for node in nodes] == [0, 0], (
+        nodes[0].output()[-5000:] + nodes[1].output()[-5000:])
+    text = nodes[0].output() + nodes[1].output()
+    assert "starting at step 60 with world size 4 (restart 0)" in text, text
+    assert "world size 4 at step 60: replicas identical on all nodes" in text
+    assert "done: 80 steps" in text
