@@ -1,7 +1,12 @@
 """Membership changes while training: how long rank 0's training stops, per launcher, in one table.
 
 Run: ``.venv/bin/python bench/membership.py [--repeat 1] [--model-mb 0,200]
-[--launchers rdzv,rdzv-restart,torchrun-rdzv-tcp,torchrun-c10d] [--json out.json]``
+[--launchers rdzv,rdzv-restart,torchrun-rdzv-tcp,torchrun-c10d] [--sharded] [--json out.json]``
+
+``--sharded``: the workload is ``examples/elastic_fsdp.py`` instead (HSDP: FSDP2 over each node's
+two workers, ``--nproc-per-node 2``, replicas across nodes; DCP checkpoints), and the table ends
+with the rate of the shard transfer: every local rank of a node sending its shard at once, against
+one stream of the same bytes (``bench/shard_transfer.py``).
 
 The workload is ``examples/elastic_train.py`` (DDP on gloo, CPU) with one worker per node, every
 node a real launcher process on 127.0.0.1 with ``--nnodes 1:3 --nproc-per-node 1``. Rank 0 appends
@@ -55,6 +60,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from _training import LAUNCHERS, ROOT, JobSpec, TrainingJob, free_port  # noqa: E402  (tests/_training.py)
+from shard_transfer import describe as describe_transfer  # noqa: E402  (bench/shard_transfer.py)
+from shard_transfer import measure as measure_transfer  # noqa: E402
 
 CHANGES = ("scale-out", "scale-in", "crash")
 POLL = 0.01
@@ -134,7 +141,8 @@ class Job(TrainingJob):
 
     def __init__(self, launcher: str, model_mb: float, work: str, args: argparse.Namespace) -> None:
         super().__init__(JobSpec(launcher, free_port(), save_every=args.save_every,
-                                 step_sleep=args.step_sleep, model_mb=model_mb), work)
+                                 step_sleep=args.step_sleep, model_mb=model_mb,
+                                 sharded=args.sharded), work)
         self.args = args
         self.terminated: set[int] = set()
 
@@ -160,11 +168,12 @@ class Job(TrainingJob):
                 return f"node {node + 1} exited {process.returncode}: {reason[:160]}"
         return None
 
-    def wait_steps(self, world: int, count: int, after: float, timeout: float,
+    def wait_steps(self, nodes: int, count: int, after: float, timeout: float,
                    phase: int | None = None) -> list[dict[str, Any]]:
-        """The progress once ``count`` steps logged after ``after`` ran at ``world`` (and, with
+        """The progress once ``count`` steps logged after ``after`` ran on ``nodes`` (and, with
         ``phase``, the last step is ``phase`` steps past a checkpoint); RuntimeError if a launcher
         fails or ``timeout`` passes first."""
+        world = nodes * self.spec.nproc
         deadline = time.monotonic() + timeout
         next_track = 0.0
         while time.monotonic() < deadline:
@@ -230,7 +239,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
                 job.wait_steps(2, args.warm, 0.0, timeout, args.save_every // 2)
                 trigger = job.start()
                 entries = job.wait_steps(3, args.after, trigger, timeout)
-                results["scale-out"] = measure(entries, trigger, 3, args.after, args.save_every)
+                results["scale-out"] = measure(entries, trigger, 3 * job.spec.nproc, args.after, args.save_every)
             except RuntimeError as exc:
                 results["scale-out"] = {"failed": str(exc)}
                 trigger = 0.0
@@ -244,7 +253,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
                 job.wait_steps(3, args.warm, trigger, timeout, args.save_every // 2)
                 trigger = job.sigterm(2)
                 entries = job.wait_steps(2, args.after, trigger, timeout)
-                results["scale-in"] = measure(entries, trigger, 2, args.after, args.save_every)
+                results["scale-in"] = measure(entries, trigger, 2 * job.spec.nproc, args.after, args.save_every)
                 job.nodes[2].wait(timeout)
                 results["scale-in"]["leaver_exit"] = job.nodes[2].returncode
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -269,7 +278,7 @@ def crash(launcher: str, model_mb: float, work: str, args: argparse.Namespace,
         job.wait_steps(3, args.warm, 0.0, args.phase_timeout, args.save_every // 2)
         trigger = job.sigkill(2)
         entries = job.wait_steps(2, args.after, trigger, args.phase_timeout)
-        return measure(entries, trigger, 2, args.after, args.save_every)
+        return measure(entries, trigger, 2 * job.spec.nproc, args.after, args.save_every)
     except RuntimeError as exc:
         return {"failed": f"{exc} (crash)"}
 
@@ -323,7 +332,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"-> first step at the new world size. step: median step interval before the change "
           f"(--step-sleep {args.step_sleep}); max gap before: longest gap in the 20 steps before "
           f"(checkpoint writes, left out of the pause). leaver exit: the SIGTERMed launcher's exit code. x row 1: pause / pause of the first launcher of the same change "
-          f"and model. Median of {args.repeat} run(s); 1 worker per node, gloo on CPU, "
+          f"and model. Median of {args.repeat} run(s); "
+          f"{'2 workers per node (HSDP)' if args.sharded else '1 worker per node'}, gloo on CPU, "
           f"{os.cpu_count()} CPUs shared with other work (load average at the end: "
           f"{os.getloadavg()[1]:.1f} over 5 min).")
     steps = [row["result"]["step"] for row in rows if row["result"]["step"]]
@@ -339,6 +349,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                             for mb, seconds in cost["digest"].items())
         print(f"the state's digest, computed by every worker entering a group (and again by "
               f"those that received the state): the example's model {digests}")
+    for mb, times in args.transfers.items():
+        print(describe_transfer(mb, 2, times))
     for number, note in enumerate(notes, 1):
         print(f"[{number}] {note}")
 
@@ -351,6 +363,8 @@ def main() -> None:
                         help="comma-separated sizes of the example's frozen weights (MB)")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
                         help=f"comma-separated subset of {', '.join(LAUNCHERS)} (first = ratio reference)")
+    parser.add_argument("--sharded", action="store_true",
+                        help="train examples/elastic_fsdp.py (HSDP, 2 workers per node) instead")
     parser.add_argument("--keep", metavar="DIR", help="keep each job's logs and progress in DIR")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON ('-': stdout)")
     parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
@@ -372,6 +386,8 @@ def main() -> None:
     if args.repeat < 1 or args.warm < 1 or args.after < 1:
         parser.error("--repeat, --warm and --after must be at least 1")
     args.check_cost = check_cost(max(sizes, default=200.0) or 200.0)
+    args.transfers = {size: measure_transfer(size, 2, 3) for size in sizes
+                      if args.sharded and size > 0}
     for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or kill: clean up, even if started
         signal.signal(signum, signal.default_int_handler)  # with SIGINT ignored (nohup, &)
 

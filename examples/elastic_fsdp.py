@@ -120,12 +120,20 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause per step (demos)")
     parser.add_argument("--model-mb", type=float, default=0.0,
                         help="add this many MB of frozen weights to the model (benchmarks)")
+    parser.add_argument("--device", default="cpu", help="where to train: cpu, or cuda (each worker "
+                        "on GPU LOCAL_RANK modulo the GPUs it sees)")
+    parser.add_argument("--backend", default="gloo", help="the process group's backend: gloo, or "
+                        "nccl on GPUs")
     args = parser.parse_args()
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    inputs, targets = make_dataset()
-    rdzv.torch.init_process_group("gloo")
-    model = Net(args.model_mb)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    inputs, targets = (tensor.to(device) for tensor in make_dataset())
+    rdzv.torch.init_process_group(args.backend)
+    model = Net(args.model_mb).to(device)
     mesh = rdzv.torch.node_mesh()  # this node's workers: FSDP2 shards within, nodes are replicas
     for layer in [*model.layers, model.frozen]:  # (each gathered only when it computes)
         fully_shard(layer, mesh=mesh)

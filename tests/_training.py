@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "elastic_train.py")
+SHARDED_EXAMPLE = os.path.join(ROOT, "examples", "elastic_fsdp.py")
 LAUNCHERS = ("rdzv", "rdzv-restart", "torchrun-rdzv-tcp", "torchrun-c10d")
 """``rdzv``: ``rdzv run``; ``rdzv-restart``: ``rdzv run --restart-on-change``; torchrun with
 rdzv's plugin (``rdzv-tcp``) or with torch's own ``c10d`` backend."""
@@ -67,11 +68,19 @@ class JobSpec:
     """Whether rank 0 also writes its parameter check after every change of group."""
     flags: tuple[str, ...] = ()
     """More flags of ``rdzv run`` (e.g. ``--replace-stragglers``)."""
+    sharded: bool = False
+    """Whether the job is ``examples/elastic_fsdp.py`` (HSDP) with two workers per node, not
+    ``examples/elastic_train.py`` (DDP) with one."""
+
+    @property
+    def nproc(self) -> int:
+        """Workers per node."""
+        return 2 if self.sharded else 1
 
     def command(self, node: int, work: str) -> list[str]:
         """Node ``node``'s launcher command line; its files go to ``work``."""
         is_host = str(self.hosted and node == 0).lower()
-        common = ["--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-id", self.run_id,
+        common = ["--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc), "--rdzv-id", self.run_id,
                   "--rdzv-endpoint", f"{HOST}:{self.port}", "--local-addr", HOST,
                   "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
                   "--rdzv-conf", f"{CONF},is_host={is_host}",
@@ -86,7 +95,7 @@ class JobSpec:
             head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", backend]
         checks = ["--checks", os.path.join(work, "checks.jsonl")] if self.checks else []
         return head + common + [
-            EXAMPLE, "--steps", "1000000", "--checkpoint", os.path.join(work, "model.ckpt"),
+            SHARDED_EXAMPLE if self.sharded else EXAMPLE, "--steps", "1000000", "--checkpoint", os.path.join(work, "model.ckpt"),
             "--save-every", str(self.save_every), "--log-every", "1",
             "--progress", os.path.join(work, "progress.jsonl"),
             "--step-sleep", str(self.step_sleep), "--model-mb", str(self.model_mb)] + checks

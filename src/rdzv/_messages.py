@@ -166,15 +166,23 @@ class Term:
 
 
 @dataclass(frozen=True)
+class Shards:
+    """The worker's model is sharded among its node's workers (``rdzv.torch.node_mesh``): none
+    of them holds a whole state alone, so they restart together."""
+
+    TYPE: ClassVar[str] = "shards"
+
+
+@dataclass(frozen=True)
 class Closed:
     TYPE: ClassVar[str] = "closed"
 
 
 ToWorker = Union[Plan, Abort, Stop, Probe]
-ToAgent = Union[Hello, Progress, Where, Broken, Entered, Left, Failed, Term]
+ToAgent = Union[Hello, Progress, Where, Broken, Entered, Left, Failed, Term, Shards]
 TO_WORKER: dict[str, type] = {cls.TYPE: cls for cls in (Plan, Abort, Stop, Probe)}
 TO_AGENT: dict[str, type] = {cls.TYPE: cls for cls in (Hello, Progress, Where, Broken, Entered,
-                                                      Left, Failed, Term)}
+                                                      Left, Failed, Term, Shards)}
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "int | None": (int, type(None)), "float": (int, float),
     "float | None": (int, float, type(None)), "str": (str,), "bool": (bool,),

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rdzv._messages import Broken, Entered, Hello, Left, Progress, Term
+from rdzv._messages import Broken, Entered, Hello, Left, Progress, Shards, Term
 from rdzv.agent._protocol import (
     Abandoned,
     Assigned,
@@ -67,6 +67,12 @@ def entering(kind: Kind = Kind.SWITCH, gen: int = 4) -> Node:
     node = running(gen=3)
     return replace(node, phase=Phase.ENTERING, gen=gen, decision=decided(kind),
                    assignment=assignment(), deadline=NOW + 60, entering_since=NOW)
+
+
+def sharded() -> Node:
+    """A running node of two workers that shard the model together."""
+    return replace(running(nproc=2), sharded=True,
+                   slots=(Slot(Worker.RUNNING, step=40), Slot(Worker.RUNNING, step=40)))
 
 
 def awaiting(coordinator: bool = False, gen: int = 4) -> Node:
@@ -230,6 +236,23 @@ ROWS = [
      ["replace", "abort", "abandon", "join"]),
     ("a worker crash on group rank 0, global rank 0: the same as anywhere",
      running(group_rank=0), Exited(0, -signal.SIGKILL), Phase.FORMING, ["replace", "join"]),
+    # -- a sharded model (HSDP): the node's workers hold one replica together -----------------
+    ("a worker says the model is sharded over its node: no act, the node knows",
+     replace(running(nproc=2), slots=(Slot(Worker.RUNNING), Slot(Worker.RUNNING))),
+     worker(Shards()), Phase.RUNNING, []),
+    ("a worker of a sharded node crashed: its peer ends too, both rejoin from a replica",
+     replace(sharded(), phase=Phase.RUNNING), Exited(0, -signal.SIGKILL), Phase.FORMING,
+     ["replace", "kill", "join"]),
+    ("a sharded node's crash while entering: the same, the round abandoned",
+     replace(sharded(), phase=Phase.ENTERING, decision=decided(Kind.SWITCH),
+             assignment=assignment(local_ranks=(0, 1))), Exited(0, -signal.SIGKILL),
+     Phase.FORMING, ["replace", "kill", "abort", "abandon", "join"]),
+    ("the peer ended by its agent exits: it starts again, to join",
+     replace(sharded(), slots=(Slot(Worker.STARTING, join=True), Slot(Worker.ENDING))),
+     Exited(1, -signal.SIGKILL), Phase.RUNNING, ["replace"]),
+    ("a warm restarted worker waits while its peer still ends: one switch for both",
+     replace(sharded(), slots=(Slot(Worker.FRESH), Slot(Worker.ENDING)), started=NOW - 60),
+     Tick(), Phase.RUNNING, []),
     ("a worker crash before it connected, API unknown: the restart fallback",
      replace(running(), slots=(Slot(Worker.STARTING),), inprocess=None),
      Exited(0, -signal.SIGKILL), Phase.FORMING, ["join"]),
@@ -321,6 +344,18 @@ def test_a_crashed_worker_is_absent_until_warm_then_fresh() -> None:
     assert node.restarts == 1 and [s.report(True) for s in node.slots] == [SlotState.ABSENT]
     node, _ = step(replace(node, phase=Phase.RUNNING), worker(Hello(0, 7, True)), NOW, RULES)
     assert [s.report(True) for s in node.slots] == [SlotState.FRESH]
+
+
+def test_a_sharded_node_restarts_its_workers_together_counted_once() -> None:
+    node, acts = step(replace(sharded(), phase=Phase.RUNNING), Exited(1, -signal.SIGKILL), NOW,
+                      RULES)
+    assert node.restarts == 1 and [s.state for s in node.slots] == [Worker.ENDING,
+                                                                     Worker.STARTING]
+    assert "restarting the node's 2 workers, which shard the model together" in acts[0].args[0]
+    assert [s.report(True) for s in node.slots] == [SlotState.ABSENT, SlotState.ABSENT]
+    node, acts = step(node, Exited(0, -signal.SIGKILL), NOW, RULES)
+    assert node.restarts == 1 and whats(acts) == ["replace"]
+    assert [s.state for s in node.slots] == [Worker.STARTING, Worker.STARTING]
 
 
 def test_restarts_are_bounded_by_max_restarts() -> None:

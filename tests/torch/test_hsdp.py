@@ -31,16 +31,16 @@ def lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def rdzv_run(tmp_path: Path, port: int, nnodes: str, steps: int, *extra: str) -> list[str]:
+def rdzv_run(tmp_path: Path, port: int, nnodes: str, steps: int, restarts: int = 0) -> list[str]:
     """An agent of two workers running the example; the first round waits 5 s for more nodes."""
     return [*RDZV_RUN, "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "tcp",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hsdp",
             "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
-            "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5", "--max-restarts", "0",
+            "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5", "--max-restarts", str(restarts),
             EXAMPLE, "--steps", str(steps), "--checkpoint", str(tmp_path / "ckpt"),
             "--progress", str(tmp_path / "progress.jsonl"), "--checks",
             str(tmp_path / "checks.jsonl"), "--log-every", "1", "--save-every", "1000",
-            "--step-sleep", "0.03", *extra]
+            "--step-sleep", "0.03"]
 
 
 @pytest.mark.timeout(900)
@@ -123,3 +123,36 @@ def test_sharded_checkpoint_resumes_under_torchrun_and_on_more_nodes(
     assert "starting at step 60 with world size 4 (restart 0)" in text, text
     assert "world size 4 at step 60: replicas identical on all nodes" in text
     assert "done: 80 steps" in text
+
+
+@pytest.mark.timeout(600)
+def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
+        launcher: Launcher, tmp_path: Path) -> None:
+    log, checks = tmp_path / "progress.jsonl", tmp_path / "checks.jsonl"
+    args = rdzv_run(tmp_path, free_port(), "2", 300, restarts=1)
+    first = launcher.start(args)
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    second = launcher.start(args)
+    wait_for(lambda: len(lines(log)) >= 30, PHASE_TIMEOUT, "30 steps of 2 nodes")
+    workers = Path(f"/proc/{second.pid}/task/{second.pid}/children").read_text().split()
+    os.kill(int(workers[-1]), signal.SIGKILL)  # one worker of the second node
+    assert [first.wait(PHASE_TIMEOUT * 2), second.wait(PHASE_TIMEOUT)] == [0, 0], (
+        first.output()[-5000:] + second.output()[-8000:])
+
+    crashed = second.output()
+    assert ("local rank 1 ended with signal SIGKILL: restarting the node's 2 workers, which "
+            "shard the model together (restart 1 of 1)") in crashed, crashed[-5000:]
+    # Both its workers joined the running job again and received their shards from the first.
+    assert len(re.findall(r"\[[23]\]:starting at step \d+ with world size 4 \(joined a running "
+                          r"job\)", crashed)) == 2, crashed[-5000:]
+    text = first.output()
+    assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text  # the first: no restart
+    assert re.search(r"recovered in-process in \d+ ms at step \d+: 1 node\(s\), world size 2",
+                     text), text
+    checked = lines(checks)
+    assert [c["world_size"] for c in checked] == [4, 2, 4], checked
+    assert all(c["agree"] for c in checked), checked
+    steps = [e["step"] for e in lines(log)]
+    jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
+    assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
+    assert steps[-1] == 300

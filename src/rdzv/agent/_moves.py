@@ -115,7 +115,8 @@ def bring_in(node: Node, acts: list[Act], now: float) -> Result:
     if not any(s.state is Worker.FRESH for s in node.slots):
         return replace(node, deadline=math.inf), acts
     wait_until = node.started + CONNECT_GRACE
-    if now < wait_until and any(s.state is Worker.STARTING and s.join for s in node.slots):
+    if any(s.state is Worker.ENDING for s in node.slots) or (now < wait_until and any(
+            s.state is Worker.STARTING and s.join for s in node.slots)):
         return replace(node, deadline=wait_until), acts
     return join(node, *acts, say("workers started to join are warm: bringing them into the "
                                  "group"))

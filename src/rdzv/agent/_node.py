@@ -363,6 +363,9 @@ class NodeRun:
     def _act_replace(self, local_rank: int) -> None:
         self.crew.replace(local_rank, self.node.restarts)
 
+    def _act_kill(self, local_rank: int) -> None:
+        self.crew.kill(local_rank)
+
     def _act_stop(self, signum: int) -> None:
         if self.crew.group is not None:
             self._paused = self._paused or (time.time(), "membership_change")

@@ -32,7 +32,9 @@ Phases of a node::
 * **RUNNING**: any change starts the next transition: a node waiting to join, a member leaving
   or lost (the workers' group is aborted first, so a collective waiting on a lost peer fails at
   once), a worker whose group broke, a crashed worker (restarted alone, in the background, as a
-  warm newcomer; the others recover without it and it joins once warm), a worker that failed
+  warm newcomer; the others recover without it and it joins once warm; when the node's workers
+  shard the model together, ``Shards``, the others are ended and restarted with it: they join
+  from another node's replica), a worker that failed
   outside the API (a restart of every worker: the only fallback, counted).
 
 A node asked to leave (SIGTERM or SIGINT, to the agent or its workers) while running announces
@@ -70,6 +72,9 @@ class Worker(enum.Enum):
     LEFT = "left"
     GONE = "gone"
     """Stopped or failed; nothing of it is left."""
+    ENDING = "ending"
+    """Ended by its agent, to start again with its node's other workers (a sharded model lost
+    a shard): started to join once its exit is seen."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,8 @@ class Node:
     """The workers' current group."""
     inprocess: bool | None = None
     """This node's workers use the in-process API (they connected to the agent)."""
+    sharded: bool = False
+    """The workers shard the model among themselves (``Shards``): a crash restarts them all."""
     hint: bool | None = None
     """Group rank 0's word on whether the job runs in-process (for a newcomer)."""
     hint_written: bool = False

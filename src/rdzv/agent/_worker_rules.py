@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import replace
 
-from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Term, Where
+from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Shards, Term, Where
 from ._hang import QUIET, on_where
 from ._moves import (
     EXIT_BARRIER_TIMEOUT,
@@ -87,6 +87,8 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
     if isinstance(message, Failed):
         return after_failure(node, f"a worker cannot follow the plan: {message.error}", now,
                               rules)
+    if isinstance(message, Shards):
+        return replace(node, sharded=True), []
     if isinstance(message, Term):
         if node.leave is not None:
             return node, []  # the agent got it too (Slurm signals every process)
@@ -133,6 +135,8 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if not 0 <= lr < len(node.slots) or node.slots[lr].state in (Worker.DONE, Worker.LEFT,
                                                                   Worker.GONE):
         return node, []
+    if node.slots[lr].state is Worker.ENDING and event.code != 0:  # (to start with the others)
+        return with_slot(node, lr, state=Worker.STARTING, join=True), [act("replace", lr)]
     leaving = node.leave is not None and node.leave.announced
     if event.code == 0:
         node = with_slot(node, lr, state=Worker.LEFT if leaving else Worker.DONE)
@@ -162,10 +166,19 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     restarts = node.restarts + 1
     node = with_slot(replace(node, restarts=restarts, failures=node.failures + (who,),
                              started=now), lr, state=Worker.STARTING, step=None, join=True)
-    acts = [say(f"{who}: restarting it alone (restart {restarts} of {rules.max_restarts}); "
-                 "it joins once warm"), act("replace", lr),
+    # a sharded model: the node's other workers hold parts of a state that is whole nowhere
+    # on it now; they end and start again too, and all join from another node's replica
+    peers = [p for p, s in enumerate(node.slots) if node.sharded and s.state in (
+        Worker.RUNNING, Worker.ENTERED, Worker.BROKEN)]
+    for peer in peers:
+        node = with_slot(node, peer, state=Worker.ENDING, step=None)
+    together = f"restarting the node's {len(peers) + 1} workers, which shard the model " \
+        "together" if peers else "restarting it alone"
+    acts = [say(f"{who}: {together} (restart {restarts} of {rules.max_restarts}); "
+                f"{'they join' if peers else 'it joins'} once warm"), act("replace", lr),
+            *(act("kill", peer) for peer in peers),
             act("event", "workers_restarted", {"restarts": restarts, "reason": who,
-                                               "alone": True})]
+                                               "alone": not peers})]
     if node.phase is Phase.RUNNING:
         return join(node, *acts)
     if node.phase is Phase.AWAITING and node.decision is None:

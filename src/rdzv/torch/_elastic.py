@@ -41,6 +41,7 @@ from .._messages import (
     Plan,
     PlanKind,
     Progress,
+    Shards,
     Where,
 )
 from ..errors import RendezvousParameterError, RendezvousStateError
@@ -127,6 +128,8 @@ class ElasticState:
             return
         self._timer = StepTimer(model, optimizer)
         self._link.where = self._where
+        if self._shards is not None:
+            self._link.send(Shards())  # a crash restarts the node's workers together
         plan = joined_plan()
         if plan is None:
             self._link.send(Progress(self.step))
