@@ -24,7 +24,6 @@ from the checkpoint):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -33,7 +32,15 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from elastic_train import FEATURES, exit_now, make_dataset, shard
+from elastic_train import (
+    FEATURES,
+    append_line,
+    exit_now,
+    make_dataset,
+    parse_flags,
+    pick_device,
+    shard,
+)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -97,8 +104,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 def replicas_agree(model: nn.Module) -> bool:
     """Whether every node holds the same replica: each worker's fingerprint of its shards
     (per-parameter sums) is gathered, and the workers of one local rank compare theirs."""
-    local = [p.to_local().detach().double() for p in model.parameters()]
-    mine = torch.stack([t.sum() for t in local] + [t.square().sum() for t in local])
+    local = [p.to_local().detach() for p in model.parameters()]
+    trained = [t for t, p in zip(local, model.parameters()) if p.requires_grad]
+    mine = torch.stack([t.sum() for t in local] + [t.square().sum() for t in trained])
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     shards = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -106,34 +114,17 @@ def replicas_agree(model: nn.Module) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="total training steps")
-    parser.add_argument("--batch-size", type=int, default=240, help="global batch size")
-    parser.add_argument("--lr", type=float, default=0.002)
-    parser.add_argument("--checkpoint", default="elastic_fsdp.ckpt", help="checkpoint directory (shared by all nodes)")
-    parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
-    parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
-    parser.add_argument("--progress", default=None, help="also append rank 0's progress as JSON lines to this file")
-    parser.add_argument("--checks", default=None,
-                        help="also append rank 0's replica check after every change of group as JSON lines "
-                             "to this file (step, world size, whether all replicas agree)")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause per step (demos)")
-    parser.add_argument("--model-mb", type=float, default=0.0,
-                        help="add this many MB of frozen weights to the model (benchmarks)")
-    parser.add_argument("--device", default="cpu", help="where to train: cpu, or cuda (each worker "
-                        "on GPU LOCAL_RANK modulo the GPUs it sees)")
-    parser.add_argument("--backend", default="gloo", help="the process group's backend: gloo, or "
-                        "nccl on GPUs")
-    args = parser.parse_args()
+    args = parse_flags(__doc__ or "", lr=0.002, checkpoint="elastic_fsdp.ckpt")  # (a directory)
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
-    rdzv.torch.init_process_group(args.backend)
+    # Set up before joining the group: a newcomer to a running job waits in init_process_group
+    # until the others switch, so what it does before costs them nothing (building the model;
+    # the first optimizer of a process is slow to create, so make one here).
     model = Net(args.model_mb).to(device)
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1, device=device))])
+    rdzv.torch.init_process_group(args.backend)
     mesh = rdzv.torch.node_mesh()  # this node's workers: FSDP2 shards within, nodes are replicas
     for layer in [*model.layers, model.frozen]:  # (each gathered only when it computes)
         fully_shard(layer, mesh=mesh)
@@ -151,10 +142,7 @@ def main() -> None:
         if state.rank == 0:
             print(f"world size {state.world_size} at step {state.step}: replicas "
                   f"{'identical' if agree else 'DIFFERENT'} on all nodes", flush=True)
-            if args.checks:
-                with open(args.checks, "a") as handle:
-                    handle.write(json.dumps({"step": state.step, "world_size": state.world_size,
-                                             "agree": agree, "time": time.time()}) + "\n")
+            append_line(args.checks, step=state.step, world_size=state.world_size, agree=agree)
 
     check(state)
     if state.rank == 0 or state.received:
@@ -177,10 +165,7 @@ def main() -> None:
             done = step + 1
             if rank == 0 and (done % args.log_every == 0 or done == args.steps):
                 print(f"step {done} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
-                if args.progress:
-                    with open(args.progress, "a") as handle:
-                        handle.write(json.dumps({"step": done, "world_size": world_size,
-                                                 "loss": global_loss.item(), "time": time.time()}) + "\n")
+                append_line(args.progress, step=done, world_size=world_size, loss=global_loss.item())
             if done % args.save_every == 0 or done == args.steps:
                 with state.outside_steps():
                     save_checkpoint(args.checkpoint, model, optimizer, done)

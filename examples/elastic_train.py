@@ -115,12 +115,13 @@ def shard(step: int, batch_size: int, rank: int, world_size: int) -> torch.Tenso
     return order[:batch_size][rank::world_size]  # (a CPU index tensor indexes a GPU tensor too)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_flags(doc: str, lr: float, checkpoint: str) -> argparse.Namespace:
+    """The flags of the examples (``elastic_fsdp.py`` takes the same)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="total training steps")
     parser.add_argument("--batch-size", type=int, default=240, help="global batch size")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoint", default="elastic_train.ckpt", help="checkpoint file (shared by all nodes)")
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--checkpoint", default=checkpoint, help="checkpoint (shared by all nodes)")
     parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
     parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--progress", default=None, help="also append rank 0's progress as JSON lines to this file")
@@ -134,16 +135,33 @@ def main() -> None:
                         "on GPU LOCAL_RANK modulo the GPUs it sees)")
     parser.add_argument("--backend", default="gloo", help="the process group's backend: gloo, or "
                         "nccl on GPUs")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def pick_device(name: str) -> torch.device:
+    """``name``'s device; on GPUs, this worker's (LOCAL_RANK modulo the GPUs it sees)."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    return device
+
+
+def append_line(path: str | None, **fields: object) -> None:
+    """One JSON line (with the time) appended to ``path`` (the progress and checks files)."""
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps({**fields, "time": time.time()}) + "\n")
+
+
+def main() -> None:
+    args = parse_flags(__doc__ or "", lr=0.05, checkpoint="elastic_train.ckpt")
     slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
     slow_from = int(os.environ.get("RDZV_EXAMPLE_SLOW_FROM", "0"))
     hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
     model = make_model(args.model_mb).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -169,10 +187,7 @@ def main() -> None:
         if state.rank == 0:
             print(f"world size {state.world_size} at step {state.step}: parameters "
                   f"{'identical' if agree else 'DIFFERENT'} on all ranks", flush=True)
-            if args.checks:
-                with open(args.checks, "a") as handle:
-                    handle.write(json.dumps({"step": state.step, "world_size": state.world_size,
-                                             "agree": agree, "time": time.time()}) + "\n")
+            append_line(args.checks, step=state.step, world_size=state.world_size, agree=agree)
 
     rebuild(state)
     if state.rank == 0 or state.received:
@@ -200,10 +215,7 @@ def main() -> None:
             done = step + 1
             if rank == 0 and (done % args.log_every == 0 or done == args.steps):
                 print(f"step {done} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
-                if args.progress:
-                    with open(args.progress, "a") as handle:
-                        handle.write(json.dumps({"step": done, "world_size": world_size,
-                                                 "loss": global_loss.item(), "time": time.time()}) + "\n")
+                append_line(args.progress, step=done, world_size=world_size, loss=global_loss.item())
             if rank == 0 and (done % args.save_every == 0 or done == args.steps):
                 save_checkpoint(args.checkpoint, model, optimizer, done)
             extra = slow if step >= slow_from else 0.0

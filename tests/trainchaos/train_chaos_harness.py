@@ -3,9 +3,10 @@
 0's progress and parameter checks (train_chaos_checks), per launcher, in one table.
 
 ``python tests/trainchaos/train_chaos_harness.py --duration 120 --seed 22 --every 8
-[--kinds join,leave,...] [--launchers rdzv,rdzv-restart,torchrun-rdzv-tcp] [--workdir DIR]
-[--json OUT]`` (``scripts/train-chaos`` runs it with the project's venv). Exits 1 on a violation
-of a hard invariant; prints which of issue 22's targets each launcher met.
+[--kinds join,leave,...] [--launchers rdzv,rdzv-restart,torchrun-rdzv-tcp] [--sharded]
+[--workdir DIR] [--json OUT]`` (``scripts/train-chaos`` runs it with the project's venv).
+``--sharded``: the job is ``examples/elastic_fsdp.py`` (HSDP) with two workers per node. Exits 1
+on a violation of a hard invariant; prints which of issue 22's targets each launcher met.
 
 Each launcher gets a fresh ``rdzv serve`` (tcp backend, a free port on 127.0.0.1), checkpoint
 and work directory (``<workdir>/<launcher>/``: ``server.log``, ``node<i>.log``, the progress
@@ -83,6 +84,8 @@ class Config:
     every: float = 8.0
     kinds: tuple[str, ...] = KINDS
     limits: Limits = Limits()
+    sharded: bool = False
+    """``examples/elastic_fsdp.py`` with two workers per node, not ``elastic_train.py``."""
 
     @property
     def until(self) -> float:
@@ -99,7 +102,8 @@ class Soak:
     def __init__(self, launcher: str, config: Config, work: Path) -> None:
         self.launcher, self.config, self.work = launcher, config, work
         spec = JobSpec(launcher, free_port(), nnodes=f"{MIN_NODES}:{MAX_NODES}",
-                       run_id="trainchaos", max_restarts=MAX_RESTARTS, hosted=False, checks=True)
+                       run_id="trainchaos", max_restarts=MAX_RESTARTS, hosted=False, checks=True,
+                       sharded=config.sharded)
         torchrun_log = {"LOGLEVEL": "INFO"} if launcher.startswith("torchrun") else {}
         self.job = TrainingJob(spec, str(work), torchrun_log)  # LOGLEVEL: torchrun's restarts
         self.injected: list[Fault] = []
@@ -219,7 +223,8 @@ class Soak:
         self.say("3 nodes started")
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
-            if sum(e["world_size"] == 3 for e in self.job.entries()) >= WARM_STEPS:
+            world = 3 * self.job.spec.nproc
+            if sum(e["world_size"] == world for e in self.job.entries()) >= WARM_STEPS:
                 return True
             self.sleep_until(time.monotonic() + 0.2)
         self.notes.append(f"the first 3 nodes did not train {WARM_STEPS} steps together within "
@@ -373,7 +378,8 @@ class Outcome:
         widths = [max(len(x) for x in column) for column in zip(HEAD, *rows)]
         out = [f"training chaos soak: seed {config.seed}, {config.duration:g} s window, a fault "
                f"every ~{config.every:g} s ({', '.join(config.kinds)}), nodes {MIN_NODES}:"
-               f"{MAX_NODES}, 1 worker each, {os.cpu_count()} CPUs (load average "
+               f"{MAX_NODES}, {'2 workers each (HSDP)' if config.sharded else '1 worker each'}, "
+               f"{os.cpu_count()} CPUs (load average "
                f"{os.getloadavg()[1]:.1f} over 5 min)", ""]
         out.append(" | ".join(h.ljust(w) for h, w in zip(HEAD, widths)))
         out.append("-+-".join("-" * w for w in widths))
@@ -393,7 +399,7 @@ class Outcome:
     def as_json(self) -> dict[str, Any]:
         config = self.config
         return {"seed": config.seed, "duration_s": config.duration, "every_s": config.every,
-                "kinds": list(config.kinds),
+                "kinds": list(config.kinds), "sharded": config.sharded,
                 "runs": [{**summary(r.analysis), "notes": list(r.notes)} for r in self.results],
                 "targets": [{"name": t.name, "launcher": t.launcher, "value": t.value,
                              "met": t.met}
@@ -443,13 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where each launcher's logs go (default: a new temporary directory)")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON ('-': stdout)")
+    parser.add_argument("--sharded", action="store_true",
+                        help="train examples/elastic_fsdp.py (HSDP, 2 workers per node) instead")
     args = parser.parse_args(argv)
     try:
         kinds = parse_list(args.kinds, KINDS, "--kinds")
         launchers = parse_list(args.launchers, LAUNCHERS, "--launchers")
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
-    config = Config(args.duration, args.seed, args.every, kinds)
+    config = Config(args.duration, args.seed, args.every, kinds, sharded=args.sharded)
     if config.until < args.every:
         parser.error(f"--duration {args.duration:g} leaves no time for faults: give at least "
                      f"{args.every + config.limits.recovery + STOP_LENGTH[1]:g} s")

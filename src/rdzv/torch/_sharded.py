@@ -101,13 +101,12 @@ class Sharded:
         of the node learns whether all of them could, and a node applies the step on every
         shard or on none (GroupLost: the group failed). Called before the optimizer's step (or
         before clipping the gradients, by :meth:`ElasticState.reduce_gradients`)."""
-        if self.reduced:
+        if self.reduced or self.count == 1:  # (one node: no replica to agree with)
             return
         error: BaseException | None = None
         try:
-            if self.count > 1:
-                self._all_reduce([p.grad.to_local() for p in self.params  # type: ignore[union-attr]
-                                  if p.grad is not None])
+            self._all_reduce([p.grad.to_local() for p in self.params  # type: ignore[union-attr]
+                              if p.grad is not None])
         except Exception as exc:  # the replica group failed: the node must not apply the step
             error = exc
         done = torch.tensor([0 if error else 1], dtype=torch.int32, device=self._device())
@@ -131,6 +130,10 @@ class Sharded:
             buckets[-1].append(grad)
             size += nbytes
         for bucket in buckets:
+            if len(bucket) == 1 and bucket[0].is_contiguous():  # a large one: in place
+                dist.all_reduce(bucket[0], group=self.replicas)
+                bucket[0].div_(self.count)
+                continue
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=self.replicas)
             flat /= self.count
