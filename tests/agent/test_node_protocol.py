@@ -250,6 +250,9 @@ ROWS = [
     ("the peer ended by its agent exits: it starts again, to join",
      replace(sharded(), slots=(Slot(Worker.STARTING, join=True), Slot(Worker.ENDING))),
      Exited(1, -signal.SIGKILL), Phase.RUNNING, ["replace"]),
+    ("the peer being ended reports its group broken (its local peer died): no news, it stays "
+     "ending", replace(sharded(), slots=(Slot(Worker.ENDING), Slot(Worker.STARTING, join=True))),
+     worker(Broken(40)), Phase.RUNNING, []),
     ("a warm restarted worker waits while its peer still ends: one switch for both",
      replace(sharded(), slots=(Slot(Worker.FRESH), Slot(Worker.ENDING)), started=NOW - 60),
      Tick(), Phase.RUNNING, []),

@@ -147,7 +147,7 @@ def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
                           r"job\)", crashed)) == 2, crashed[-5000:]
     text = first.output()
     assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text  # the first: no restart
-    assert re.search(r"recovered in-process in \d+ ms at step \d+: 1 node\(s\), world size 2",
+    assert re.search(r"recovered in-process in \d+ ms at step \d+: 2 node\(s\), world size 2",
                      text), text
     checked = lines(checks)
     assert [c["world_size"] for c in checked] == [4, 2, 4], checked

@@ -50,6 +50,8 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
     if not 0 <= lr < len(node.slots):
         return node, []
     slot = node.slots[lr]
+    if slot.state is Worker.ENDING:  # its agent ends it: what it says now is no news
+        return node, []
     if isinstance(message, Hello):  # a new process: nothing of the slot's last one holds
         node = replace(node, inprocess=True)
         slots = list(node.slots)

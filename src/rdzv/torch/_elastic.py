@@ -402,10 +402,19 @@ class ElasticState:
                                 (created - started) * 1000, (agreed - created) * 1000))
 
     def _group_failure(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is the group failing under this worker (not a bug of its own)."""
-        if isinstance(exc, (GroupLost, dist.DistError)) or group_sockets.aborts != self._aborts:
+        """Whether ``exc`` is the group failing under this worker (not a bug of its own): it,
+        or an error it was raised while handling (torch's error reports can fail in turn)."""
+        if group_sockets.aborts != self._aborts:
             return True
-        return isinstance(exc, RuntimeError) and any(w in str(exc) for w in PEER_FAILURE_WORDS)
+        seen: BaseException | None = exc
+        for _ in range(8):
+            if seen is None:
+                return False
+            if isinstance(seen, (GroupLost, dist.DistError)) or (isinstance(
+                    seen, RuntimeError) and any(w in str(seen) for w in PEER_FAILURE_WORDS)):
+                return True
+            seen = seen.__cause__ or seen.__context__
+        return False
 
     # -- the state ----------------------------------------------------------------------------
     def _tree(self) -> dict[str, Any]:

@@ -59,8 +59,8 @@ group_options: dict[str, Any] = {"timeout": timedelta(minutes=10), "kwargs": {}}
 """How ``init_process_group`` was called (timeout, other keywords such as ``device_id``): every
 group this worker creates in-process is made the same way."""
 entering_hooks: list[Callable[[], None]] = []
-"""Called in every group this worker enters, once it is created (among its sockets, so that an
-abort reaches them too): the node's own group renews its backend (``_nodegroup``)."""
+"""Called in every group this worker enters, once it is created: the node's own group checks the
+new group's layout and registers its name again (``_nodegroup``)."""
 
 
 class SwitchError(RendezvousError):
@@ -332,7 +332,7 @@ def enter_group(backend: str, plan: Plan, aborts: int) -> None:
                                     timeout=group_options["timeout"], **group_options["kwargs"])
             for hook in entering_hooks:
                 hook()
-    except GroupLost:
+    except (GroupLost, SwitchError):
         raise
     except Exception as exc:  # torch raises RuntimeError, DistError, DistNetworkError, ...
         leave_group()

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..errors import RendezvousParameterError, RendezvousStateError
-from ._group import GroupLost
+from ..errors import RendezvousParameterError
+from ._group import GroupLost, group_sockets
 from ._nodegroup import NodeGroup, node_group
 
 logger = logging.getLogger(__name__)
@@ -70,22 +70,13 @@ class Sharded:
 
     # -- every group ------------------------------------------------------------------------
     def enter(self) -> None:
-        """In a group just entered (a collective of every worker): check that every node runs
-        as many workers as this one, numbered consecutively (else RendezvousStateError), and
-        make this worker's replica group."""
+        """In a group just entered (a collective of every worker): make this worker's replica
+        group (the node group checked already that every node runs as many workers)."""
         size = self.node.size
-        mine = torch.tensor([dist.get_rank() % size == self.node.local_rank, size],
-                            dtype=torch.int64, device=self._device())
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
-        if any(not bool(t[0]) or int(t[1]) != size for t in everyone):
-            raise RendezvousStateError(
-                "sharded training needs the same number of workers on every node, all of them "
-                f"in the group (this node runs {size}; every node's: "
-                f"{sorted({int(t[1]) for t in everyone})}; a node whose worker restarted alone "
-                "lacks it): the workers restart")
         nodes = dist.get_world_size() // size
-        groups = [dist.new_group([n * size + part for n in range(nodes)]) for part in range(size)]
+        with group_sockets.recording():  # an abort shuts their sockets down too
+            groups = [dist.new_group([n * size + part for n in range(nodes)])
+                      for part in range(size)]
         self.replicas = groups[self.node.local_rank]
         self.count = nodes
         self.reduced = False
