@@ -25,8 +25,8 @@ three nodes start together. The crash is measured on a fresh job of three nodes:
 node's launcher and all its processes are SIGKILLed mid-run (3 -> 2). For each change, from its trigger (the third launcher spawned / SIGTERM
 sent) until ``--after`` steps were logged at the new world size, the bench measures the
 pause (the longest gap between the times of two consecutive progress lines, counting from the
-last line before the trigger, leaving out rank 0's checkpoint writes between two steps of one
-group, which every launcher pays alike), redone (lines whose step number was already seen: work lost to a
+last line before the trigger, less the time rank 0 spent writing a checkpoint between them,
+which every launcher pays alike), redone (lines whose step number was already seen: work lost to a
 restart) and to new world (from the trigger to the first step at the new world size).
 
 Launchers (the first is the reference of the ratio column, per change and model size):
@@ -194,14 +194,13 @@ class Job(TrainingJob):
                            f"{time.time() - last[0]['time']:.0f} s before)")
 
 
-def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: int,
-            save_every: int) -> dict[str, Any]:
+def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: int) -> dict[str, Any]:
     """Pause, steps redone and time to the new world of the change triggered at ``trigger``.
 
-    The pause leaves out the gaps that are rank 0 writing its checkpoint between two steps of
-    one group (step k, k % save_every == 0, then k + 1 at the same world size): that is the
-    cost of training with checkpoints, which every launcher pays alike (column "max gap
-    before"), not of the change."""
+    The pause leaves out the time rank 0 spent writing checkpoints between two progress lines
+    (each line says it, ``checkpoint_s``): that is the cost of training with checkpoints, which
+    every launcher pays alike (column "max gap before"), not of the change; a change planned
+    at a checkpoint's step would otherwise count it."""
     before = [i for i, e in enumerate(entries) if e["time"] <= trigger]
     first = before[-1] if before else 0
     new = [i for i in range(first + 1, len(entries)) if entries[i]["world_size"] == world
@@ -214,9 +213,7 @@ def measure(entries: list[dict[str, Any]], trigger: float, world: int, after: in
         seen = max(seen, entry["step"])
     steady = [b["time"] - a["time"] for a, b in zip(entries[:first + 1], entries[1:first + 1])
               if a["world_size"] == b["world_size"] == entries[first]["world_size"]][-20:]
-    gaps = [b["time"] - a["time"] for a, b in zip(window, window[1:])
-            if not (a["step"] % save_every == 0 and b["step"] == a["step"] + 1
-                    and a["world_size"] == b["world_size"])]
+    gaps = [b["time"] - a["time"] - b.get("checkpoint_s", 0.0) for a, b in zip(window, window[1:])]
     return {"pause": max(gaps), "redone": redone,
             "to_world": entries[new[0]]["time"] - trigger,
             "step": statistics.median(steady) if steady else None,
@@ -239,7 +236,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
                 job.wait_steps(2, args.warm, 0.0, timeout, args.save_every // 2)
                 trigger = job.start()
                 entries = job.wait_steps(3, args.after, trigger, timeout)
-                results["scale-out"] = measure(entries, trigger, 3 * job.spec.nproc, args.after, args.save_every)
+                results["scale-out"] = measure(entries, trigger, 3 * job.spec.nproc, args.after)
             except RuntimeError as exc:
                 results["scale-out"] = {"failed": str(exc)}
                 trigger = 0.0
@@ -253,7 +250,7 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
                 job.wait_steps(3, args.warm, trigger, timeout, args.save_every // 2)
                 trigger = job.sigterm(2)
                 entries = job.wait_steps(2, args.after, trigger, timeout)
-                results["scale-in"] = measure(entries, trigger, 2 * job.spec.nproc, args.after, args.save_every)
+                results["scale-in"] = measure(entries, trigger, 2 * job.spec.nproc, args.after)
                 job.nodes[2].wait(timeout)
                 results["scale-in"]["leaver_exit"] = job.nodes[2].returncode
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -278,7 +275,7 @@ def crash(launcher: str, model_mb: float, work: str, args: argparse.Namespace,
         job.wait_steps(3, args.warm, 0.0, args.phase_timeout, args.save_every // 2)
         trigger = job.sigkill(2)
         entries = job.wait_steps(2, args.after, trigger, args.phase_timeout)
-        return measure(entries, trigger, 2 * job.spec.nproc, args.after, args.save_every)
+        return measure(entries, trigger, 2 * job.spec.nproc, args.after)
     except RuntimeError as exc:
         return {"failed": f"{exc} (crash)"}
 

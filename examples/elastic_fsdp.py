@@ -149,6 +149,8 @@ def main() -> None:
         how = "joined a running job" if state.received else f"restart {restart}"
         print(f"starting at step {state.step} with world size {state.world_size} ({how})", flush=True)
 
+    saving = [0.0]  # seconds rank 0 spent writing checkpoints since its last progress line
+
     def train() -> torch.Tensor:
         """The training loop; state.run() calls it again after the group lost a member."""
         global_loss = torch.tensor(float("nan"))
@@ -165,10 +167,14 @@ def main() -> None:
             done = step + 1
             if rank == 0 and (done % args.log_every == 0 or done == args.steps):
                 print(f"step {done} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
-                append_line(args.progress, step=done, world_size=world_size, loss=global_loss.item())
+                append_line(args.progress, step=done, world_size=world_size, loss=global_loss.item(),
+                            checkpoint_s=round(saving[0], 6))  # (since the last line)
+                saving[0] = 0.0
             if done % args.save_every == 0 or done == args.steps:
+                started = time.perf_counter()
                 with state.outside_steps():
                     save_checkpoint(args.checkpoint, model, optimizer, done)
+                saving[0] += time.perf_counter() - started
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         return global_loss

@@ -196,6 +196,8 @@ def main() -> None:
         if state.step >= args.steps:
             print(f"the checkpoint already has {state.step} steps: nothing to do (ask for more with "
                   f"--steps {state.step + args.steps})", flush=True)
+    saving = [0.0]  # seconds rank 0 spent writing checkpoints since its last progress line
+
     def train() -> torch.Tensor:
         """The training loop; state.run() calls it again after the group lost a member."""
         global_loss = torch.tensor(float("nan"))
@@ -215,9 +217,13 @@ def main() -> None:
             done = step + 1
             if rank == 0 and (done % args.log_every == 0 or done == args.steps):
                 print(f"step {done} world_size {world_size} loss {global_loss.item():.5f}", flush=True)
-                append_line(args.progress, step=done, world_size=world_size, loss=global_loss.item())
+                append_line(args.progress, step=done, world_size=world_size, loss=global_loss.item(),
+                            checkpoint_s=round(saving[0], 6))  # (since the last line)
+                saving[0] = 0.0
             if rank == 0 and (done % args.save_every == 0 or done == args.steps):
+                started = time.perf_counter()
                 save_checkpoint(args.checkpoint, model, optimizer, done)
+                saving[0] += time.perf_counter() - started
             extra = slow if step >= slow_from else 0.0
             if args.step_sleep or extra:
                 time.sleep(args.step_sleep + extra)
