@@ -354,8 +354,10 @@ class ElasticState:
             return False
         odd = divergent(holdings, agreement)
         if odd:
-            logger.warning("ranks %s held other parameters than their source (ranks %s) at "
-                           "step %d: they receive its state", odd, agreement.sources, self.step)
+            sources = agreement.sources
+            named = f"rank {sources[0]}" if len(sources) == 1 else f"their sources (ranks {sources})"
+            logger.warning("ranks %s held other parameters than %s at step %d: they receive its "
+                           "state", odd, named, self.step)
         if not any(agreement.receivers):
             return False
         me = dist.get_rank()  # in the new group (this worker's rank changes with it)
