@@ -77,6 +77,11 @@ class JobSpec:
         """Workers per node."""
         return 2 if self.sharded else 1
 
+    @property
+    def example(self) -> str:
+        """The training script the workers run."""
+        return SHARDED_EXAMPLE if self.sharded else EXAMPLE
+
     def command(self, node: int, work: str) -> list[str]:
         """Node ``node``'s launcher command line; its files go to ``work``."""
         is_host = str(self.hosted and node == 0).lower()
@@ -95,7 +100,7 @@ class JobSpec:
             head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", backend]
         checks = ["--checks", os.path.join(work, "checks.jsonl")] if self.checks else []
         return head + common + [
-            SHARDED_EXAMPLE if self.sharded else EXAMPLE, "--steps", "1000000", "--checkpoint", os.path.join(work, "model.ckpt"),
+            self.example, "--steps", "1000000", "--checkpoint", os.path.join(work, "model.ckpt"),
             "--save-every", str(self.save_every), "--log-every", "1",
             "--progress", os.path.join(work, "progress.jsonl"),
             "--step-sleep", str(self.step_sleep), "--model-mb", str(self.model_mb)] + checks
@@ -221,7 +226,7 @@ class TrainingJob:
                     argv = handle.read().split(b"\0")
             except OSError:
                 continue
-            if EXAMPLE.encode() in argv:
+            if self.spec.example.encode() in argv:
                 found.append(pid)
         return found
 

@@ -78,11 +78,14 @@ class AgentLink:
 
     Shutting an aborted gloo group's sockets down fails its pending collective, but not always:
     a ring step waiting for its send to complete (``UnboundBuffer::waitSend``) can wait for the
-    group's timeout (10 minutes by default) on a socket already closed. So after an abort the
-    training thread must show within the grace that it is out of the group's collectives (at a
-    step boundary, reporting the failure, or waiting for a plan: :meth:`beat`); if it does not,
-    the worker ends itself with SIGKILL, and its agent restarts it alone, as a crashed worker:
-    it rejoins from its peers, who recover in-process without it meanwhile.
+    group's timeout (10 minutes by default) on a socket already closed; and a group the abort
+    does not reach (the node's own group of a sharded model, ``_nodegroup``) waits on a local
+    peer that has gone to recover. So after an abort the training thread must show within the
+    grace that it has left the aborted group (it took a plan, or waits for one, having reported
+    the failure); a step boundary alone does not, as the next step may wait again. If it does
+    not, the worker ends itself with SIGKILL, and its agent restarts it (alone, or with its
+    node's workers for a sharded model), as a crashed worker: it rejoins from its peers, who
+    recover in-process without it meanwhile.
     """
 
     def __init__(self, path: str, fresh: bool) -> None:
@@ -90,7 +93,8 @@ class AgentLink:
         self._cond = threading.Condition()
         self._plan: Plan | None = None
         self._gone = False
-        self._beats = 0
+        self._moves = 0
+        """Plans taken: one more after an abort shows the training thread left the group."""
         self._waiting = False
         self._step_time = 0.0
         self._stopping = False
@@ -119,12 +123,12 @@ class AgentLink:
             with self._cond:
                 self._plan = None  # a plan not taken yet belongs to an abandoned round
                 self._cond.notify_all()
-            beats = self._beats
+            moves = self._moves
             aborted = group_sockets.abort()
             if aborted:
                 logger.warning("the agent aborted the process group (a member is lost): %d "
                                "socket(s) shut down", aborted)
-                self._watch_abort(beats)
+                self._watch_abort(moves)
         elif isinstance(message, Stop):
             self._on_stop()
         elif isinstance(message, Probe):
@@ -139,21 +143,20 @@ class AgentLink:
 
     # -- aborts that do not wake the training thread --------------------------------------------
     def beat(self, step_time: float | None = None) -> None:
-        """The training thread is out of the group's collectives: called at each step boundary
-        (with the step time); :meth:`wait` counts as out too (a failed group, once left)."""
-        self._beats += 1
+        """A step ended (in ``step_time`` seconds, a recent mean): the grace of an abort is
+        three of them (at least ``ABORT_GRACE``)."""
         if step_time is not None:
             self._step_time = step_time
 
-    def _watch_abort(self, beats: int) -> None:
+    def _watch_abort(self, moves: int) -> None:
         grace = max(ABORT_GRACE, 3 * self._step_time)
-        threading.Thread(target=self._end_if_stuck, args=(beats, grace), daemon=True,
+        threading.Thread(target=self._end_if_stuck, args=(moves, grace), daemon=True,
                          name="rdzv-abort-watch").start()
 
-    def _end_if_stuck(self, beats: int, grace: float) -> None:
+    def _end_if_stuck(self, moves: int, grace: float) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            if self._beats != beats or self._waiting:
+            if self._moves != moves or self._waiting:
                 return
             time.sleep(0.02)
         logger.error("the aborted process group's collective still waits %.1f s after the "
@@ -161,6 +164,7 @@ class AgentLink:
                      "worker ends itself; its agent restarts it alone and it rejoins from its "
                      "peers", grace)
         sys.stdout.flush()
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where it waits
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -174,6 +178,8 @@ class AgentLink:
         it since :meth:`peek`)."""
         with self._cond:
             plan, self._plan = self._plan, None
+            if plan is not None:
+                self._moves += 1
             return None if plan is None else (plan, group_sockets.aborts)
 
     def wait(self) -> tuple[Plan, int]:
@@ -187,6 +193,7 @@ class AgentLink:
                     plan = self._plan
                     if plan is not None:
                         self._plan = None
+                        self._moves += 1
                         return plan, group_sockets.aborts
                     if self._gone:
                         raise SwitchError("this worker's rdzv agent is gone")

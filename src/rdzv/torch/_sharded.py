@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..errors import RendezvousParameterError
@@ -67,6 +68,21 @@ class Sharded:
         step (DCP's initialisation of an empty optimizer state)."""
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_step)
+        group.holders.append(self._rebind)
+
+    def _rebind(self, pg: dist.ProcessGroup) -> None:
+        """Give FSDP2's modules the node's new group (each fully_shard call made one mesh info,
+        which its parameter group and parameters share; each is given it)."""
+        for module in self.model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            params = module._get_fsdp_state()._fsdp_param_group
+            if params is None:
+                continue
+            for info in (params.mesh_info, params.post_forward_mesh_info,
+                         *(p.mesh_info for p in params.fsdp_params)):
+                if info is not None and hasattr(info, "shard_process_group"):
+                    info.shard_process_group = pg
 
     # -- every group ------------------------------------------------------------------------
     def enter(self) -> None:
