@@ -294,6 +294,8 @@ class ElasticState:
         started = time.perf_counter()
         logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
                        self.step, type(exc).__name__, first_line(exc))
+        if self._shards is not None and self._entering is None:
+            self._shards.abandon()  # (a step failed, not an entry)
         self._link.send(Broken(self.step, round=self._entering, error=first_line(exc)))
         group_sockets.abort()
         leave_group()

@@ -1,36 +1,33 @@
-"""The process group of one node's workers: the shard group of sharded training (FSDP2 over
-:func:`node_mesh`), made anew in every group a worker enters and handed to what holds it.
+"""The process group of one node's workers, made once and kept for the life of the workers:
+the shard group of sharded training (FSDP2 over :func:`node_mesh`).
 
+FSDP2 and the device mesh hold a ``ProcessGroup`` object from the moment a module is sharded.
 Under ``rdzv run`` every membership change replaces the job's process group (a new default group
-under a fresh store prefix), which destroys every group registered with torch. The node's group
-is not registered there: it is made by hand among the node's workers through the job group's
-store (:class:`NodeGroup`), anew in every group the worker enters (``enter_group`` calls
-:meth:`NodeGroup.entered`, among the sockets an abort shuts down: a worker that waits in it for
-a local peer gone to recover fails at once, as in any group of the job). The device mesh keeps
-its place (its registry names the new group) and the holders of the old group are given the new
-one (:attr:`NodeGroup.holders`: FSDP2's modules, see ``_sharded``); torch reuses a backend it
-has registered for a type, so a group cannot be given a new backend in place.
+under a fresh store prefix), which destroys every group registered with torch. This one is not
+registered there, so it lives on: it is made among the node's workers through the job's store of
+the moment (``node_mesh()``, a collective), its connections join only the node's own workers,
+and they do not change while those workers live (a worker that crashes takes its node's workers
+with it: they restart together and make a new one). Aborts and switches leave its sockets alone:
+a lost node is never a member of it. In every group a worker enters (``enter_group``) the group's
+name is registered again with torch (functional collectives and DCP find a group by its name)
+and the layout of the new group is checked (:meth:`NodeGroup.entered`).
 
 A node's workers are the ranks ``rank // local_world_size`` of the job: ``rdzv run`` and torchrun
 number a node's workers consecutively, and sharded training needs the same number of workers on
-every node (``--nproc-per-node``): checked in every group.
+every node (``--nproc-per-node``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import RendezvousParameterError
-from ._group import SwitchError, entering_hooks, group_options, group_sockets
-
-logger = logging.getLogger(__name__)
+from ._group import SwitchError, entering_hooks, group_options
 
 _c10d = torch._C._distributed_c10d  # type: ignore[attr-defined]
 
@@ -52,11 +49,21 @@ class NodeGroup:
 
     def __init__(self, backend: str, device_type: str, timeout: timedelta) -> None:
         self.local_rank, self.size = local_world()
-        self.backend, self.device_type, self.timeout = backend, device_type, timeout
-        self.holders: list[Callable[[dist.ProcessGroup], None]] = []
-        """Called with each new group (what holds the old one takes the new one)."""
+        self.device_type = device_type
         self._check_layout()
-        self.pg = self._make()
+        node = dist.get_rank() // self.size
+        store = dist.PrefixStore(f"rdzv-node/{node}/", dist.distributed_c10d._get_default_store())
+        self.pg = _c10d.ProcessGroup(store, self.local_rank, self.size)
+        if backend == "nccl":
+            made = _c10d.ProcessGroupNCCL(store, self.local_rank, self.size)
+            kind = _c10d.ProcessGroup.BackendType.NCCL
+        else:
+            made = _c10d.ProcessGroupGloo(store, self.local_rank, self.size, timeout)
+            kind = _c10d.ProcessGroup.BackendType.GLOO
+        self.pg._set_default_backend(kind)
+        self.pg._register_backend(torch.device(device_type), kind, made)
+        self.pg._set_group_name(self.NAME)
+        _c10d._register_process_group(self.NAME, self.pg)
         first = dist.get_rank() - self.local_rank
         self.mesh = DeviceMesh(device_type, torch.arange(first, first + self.size,
                                                          dtype=torch.int),
@@ -65,37 +72,11 @@ class NodeGroup:
         self.mesh._dim_group_names = [self.NAME]
         self.mesh._pg_registry[self.NAME] = self.pg
 
-    def _make(self) -> dist.ProcessGroup:
-        """The node's workers' group, through the current job group's store (a collective of
-        the node's workers)."""
-        node = dist.get_rank() // self.size
-        store = dist.PrefixStore(f"rdzv-node/{node}/", dist.distributed_c10d._get_default_store())
-        pg = _c10d.ProcessGroup(store, self.local_rank, self.size)
-        if self.backend == "nccl":
-            made = _c10d.ProcessGroupNCCL(store, self.local_rank, self.size)
-            kind = _c10d.ProcessGroup.BackendType.NCCL
-        else:
-            made = _c10d.ProcessGroupGloo(store, self.local_rank, self.size, self.timeout)
-            kind = _c10d.ProcessGroup.BackendType.GLOO
-        pg._set_default_backend(kind)
-        pg._register_backend(torch.device(self.device_type), kind, made)
-        pg._set_group_name(self.NAME)
-        # functional collectives (a DTensor's full_tensor(), DCP) find a group by its name
-        _c10d._register_process_group(self.NAME, pg)
-        return pg
-
     def entered(self) -> None:
-        """In a group just entered (a collective of the job's workers): check its layout, make
-        the node's group anew and hand it to its holders."""
+        """In a group just entered (a collective of the job's workers): check its layout, and
+        register the group's name again (the new job group emptied torch's registry)."""
         self._check_layout()
-        old, self.pg = self.pg, self._make()
-        self.mesh._pg_registry[self.NAME] = self.pg
-        for hold in self.holders:
-            hold(self.pg)
-        try:
-            old.shutdown()
-        except RuntimeError as exc:  # (its sockets were shut down already)
-            logger.debug("shutting the node's old group down: %s", exc)
+        _c10d._register_process_group(self.NAME, self.pg)
 
     def _check_layout(self) -> None:
         """SwitchError unless every node of the job's group runs as many workers as this one,
@@ -131,8 +112,7 @@ def node_mesh(device_type: str | None = None) -> DeviceMesh:
         return node_group[0].mesh
     backend = str(dist.get_backend())
     device = device_type or ("cuda" if backend == "nccl" else "cpu")
-    with group_sockets.recording():  # an abort shuts its sockets down, as any group's
-        group = NodeGroup(backend, device, group_options["timeout"])
+    group = NodeGroup(backend, device, group_options["timeout"])
     node_group.append(group)
     entering_hooks.append(group.entered)
     return group.mesh

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..errors import RendezvousParameterError
@@ -63,26 +62,13 @@ class Sharded:
         self.reduced = False
         """Whether this step's gradients were reduced already (an explicit call before
         clipping)."""
+        self.committed = False
+        """Whether this step's commit was made (then a failure needs no word to the node)."""
         self.quiet = False
         """While the state is prepared for a transfer: an optimizer step then is no training
         step (DCP's initialisation of an empty optimizer state)."""
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_step)
-        group.holders.append(self._rebind)
-
-    def _rebind(self, pg: dist.ProcessGroup) -> None:
-        """Give FSDP2's modules the node's new group (each fully_shard call made one mesh info,
-        which its parameter group and parameters share; each is given it)."""
-        for module in self.model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            params = module._get_fsdp_state()._fsdp_param_group
-            if params is None:
-                continue
-            for info in (params.mesh_info, params.post_forward_mesh_info,
-                         *(p.mesh_info for p in params.fsdp_params)):
-                if info is not None and hasattr(info, "shard_process_group"):
-                    info.shard_process_group = pg
 
     # -- every group ------------------------------------------------------------------------
     def enter(self) -> None:
@@ -95,13 +81,13 @@ class Sharded:
                       for part in range(size)]
         self.replicas = groups[self.node.local_rank]
         self.count = nodes
-        self.reduced = False
+        self.reduced = self.committed = False
 
     # -- every step ---------------------------------------------------------------------------
     def _before_step(self, *_: Any) -> None:
         if not self.quiet:
             self.reduce()
-        self.reduced = False
+        self.reduced = self.committed = False
 
     def reduce(self) -> None:
         """Average this worker's gradient shards over the replicas, then commit: every worker
@@ -116,14 +102,31 @@ class Sharded:
                               if p.grad is not None])
         except Exception as exc:  # the replica group failed: the node must not apply the step
             error = exc
-        done = torch.tensor([0 if error else 1], dtype=torch.int32, device=self._device())
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.node.pg)
-        if error is not None:
-            raise error
-        if not int(done.item()):
-            raise GroupLost("another worker of this node could not reduce its gradients over "
-                            "the replicas: the node applies the step nowhere")
+        self.committed = True
+        if not self._commit(error is None):
+            raise error or GroupLost("another worker of this node could not complete its step: "
+                                     "the node applies it nowhere")
         self.reduced = True
+
+    def _commit(self, done: bool) -> bool:
+        """Whether every worker of the node completed its step (a 4-byte all_reduce among
+        them)."""
+        flag = torch.tensor([int(done)], dtype=torch.int32, device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.node.pg)
+        return bool(flag.item())
+
+    def abandon(self) -> None:
+        """The step failed under this worker before its commit (a collective of the job's group
+        failed): the node's other workers may wait in the commit, having completed that
+        collective; say no to them (the node applies the step nowhere). Nothing if the commit
+        was made, or the failure was in the node's group (a local peer is gone)."""
+        committed, self.committed = self.committed, False
+        if committed or self.count == 1:
+            return
+        try:
+            self._commit(False)
+        except Exception as exc:  # a local peer gone: nobody waits
+            logger.debug("the node's commit after a failed step: %s", exc)
 
     def _all_reduce(self, grads: list[torch.Tensor]) -> None:
         """Sum ``grads`` over the replicas and divide by their count, in buckets of one dtype."""
