@@ -39,6 +39,8 @@ from elastic_train import (
     make_dataset,
     parse_flags,
     pick_device,
+    report_check,
+    report_start,
     shard,
 )
 from torch import nn
@@ -116,7 +118,6 @@ def replicas_agree(model: nn.Module) -> bool:
 def main() -> None:
     args = parse_flags(__doc__ or "", lr=0.002, checkpoint="elastic_fsdp.ckpt")  # (a directory)
 
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
     # Set up before joining the group: a newcomer to a running job waits in init_process_group
@@ -138,16 +139,10 @@ def main() -> None:
 
     @state.on_change  # after every switch; FSDP2's mesh is the node's, which does not change
     def check(state: rdzv.torch.ElasticState) -> None:
-        agree = replicas_agree(model)
-        if state.rank == 0:
-            print(f"world size {state.world_size} at step {state.step}: replicas "
-                  f"{'identical' if agree else 'DIFFERENT'} on all nodes", flush=True)
-            append_line(args.checks, step=state.step, world_size=state.world_size, agree=agree)
+        report_check(args, state, replicas_agree(model), "replicas")
 
     check(state)
-    if state.rank == 0 or state.received:
-        how = "joined a running job" if state.received else f"restart {restart}"
-        print(f"starting at step {state.step} with world size {state.world_size} ({how})", flush=True)
+    report_start(state)
 
     saving = [0.0]  # seconds rank 0 spent writing checkpoints since its last progress line
 

@@ -154,13 +154,30 @@ def append_line(path: str | None, **fields: object) -> None:
             handle.write(json.dumps({**fields, "time": time.time()}) + "\n")
 
 
+def report_check(args: argparse.Namespace, state: rdzv.torch.ElasticState, agree: bool,
+                 what: str) -> None:
+    """Rank 0 says whether every rank holds the same ``what`` after a change of group."""
+    if state.rank == 0:
+        print(f"world size {state.world_size} at step {state.step}: {what} "
+              f"{'identical' if agree else 'DIFFERENT'} on all {'nodes' if what == 'replicas' else 'ranks'}",
+              flush=True)
+        append_line(args.checks, step=state.step, world_size=state.world_size, agree=agree)
+
+
+def report_start(state: rdzv.torch.ElasticState) -> None:
+    """Rank 0 (and a newcomer's workers) say where the training starts."""
+    if state.rank == 0 or state.received:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        how = "joined a running job" if state.received else f"restart {restart}"
+        print(f"starting at step {state.step} with world size {state.world_size} ({how})", flush=True)
+
+
 def main() -> None:
     args = parse_flags(__doc__ or "", lr=0.05, checkpoint="elastic_train.ckpt")
     slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
     slow_from = int(os.environ.get("RDZV_EXAMPLE_SLOW_FROM", "0"))
     hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
 
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
     model = make_model(args.model_mb).to(device)
@@ -183,16 +200,11 @@ def main() -> None:
         a collective, which every rank of the group runs, newcomers included."""
         nonlocal ddp
         ddp = DistributedDataParallel(model, init_sync=False)
-        agree = parameters_agree(model)
-        if state.rank == 0:
-            print(f"world size {state.world_size} at step {state.step}: parameters "
-                  f"{'identical' if agree else 'DIFFERENT'} on all ranks", flush=True)
-            append_line(args.checks, step=state.step, world_size=state.world_size, agree=agree)
+        report_check(args, state, parameters_agree(model), "parameters")
 
     rebuild(state)
+    report_start(state)
     if state.rank == 0 or state.received:
-        how = "joined a running job" if state.received else f"restart {restart}"
-        print(f"starting at step {state.step} with world size {state.world_size} ({how})", flush=True)
         if state.step >= args.steps:
             print(f"the checkpoint already has {state.step} steps: nothing to do (ask for more with "
                   f"--steps {state.step + args.steps})", flush=True)

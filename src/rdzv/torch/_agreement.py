@@ -62,6 +62,10 @@ class Agreement:
         """The rank whose state ``rank`` must hold (its shard's source)."""
         return self.sources[rank % len(self.sources)]
 
+    def receivers_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks that receive the shard ``rank`` holds from its source."""
+        return self.receivers[rank % len(self.sources)]
+
 
 def agree(holdings: Sequence[Holding], decided: int | None, shards: int = 1) -> Agreement:
     """Who sends what among the workers of a group (index = global rank). Each worker holds one

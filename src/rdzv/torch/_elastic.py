@@ -364,7 +364,7 @@ class ElasticState:
             return False
         me = dist.get_rank()  # in the new group (this worker's rank changes with it)
         source = agreement.source_of(me)
-        receivers = list(agreement.receivers[agreement.sources.index(source)])
+        receivers = list(agreement.receivers_of(me))
         received = me in receivers
         if me == source and receivers:
             sent = send_state(self._tree(), receivers, device)

@@ -50,6 +50,9 @@ class NodeGroup:
     def __init__(self, backend: str, device_type: str, timeout: timedelta) -> None:
         self.local_rank, self.size = local_world()
         self.device_type = device_type
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if device_type == "cuda" else torch.device("cpu")
+        """Where this worker's tensors for the group's collectives live."""
         self._check_layout()
         node = dist.get_rank() // self.size
         store = dist.PrefixStore(f"rdzv-node/{node}/", dist.distributed_c10d._get_default_store())
@@ -81,10 +84,8 @@ class NodeGroup:
     def _check_layout(self) -> None:
         """SwitchError unless every node of the job's group runs as many workers as this one,
         numbered node by node (an all_gather of two numbers per worker)."""
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.device_type == "cuda" else torch.device("cpu")
         mine = torch.tensor([dist.get_rank() % self.size == self.local_rank, self.size],
-                            dtype=torch.int64, device=device)
+                            dtype=torch.int64, device=self.device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         if any(not bool(t[0]) or int(t[1]) != self.size for t in everyone):

@@ -111,7 +111,7 @@ class Sharded:
     def _commit(self, done: bool) -> bool:
         """Whether every worker of the node completed its step (a 4-byte all_reduce among
         them)."""
-        flag = torch.tensor([int(done)], dtype=torch.int32, device=self._device())
+        flag = torch.tensor([int(done)], dtype=torch.int32, device=self.node.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.node.pg)
         return bool(flag.item())
 
@@ -119,7 +119,7 @@ class Sharded:
         """The step failed under this worker before its commit (a collective of the job's group
         failed): the node's other workers may wait in the commit, having completed that
         collective; say no to them (the node applies the step nowhere). Nothing if the commit
-        was made, or the failure was in the node's group (a local peer is gone)."""
+        was made; if a local peer is gone the commit fails at once, and nobody waits."""
         committed, self.committed = self.committed, False
         if committed or self.count == 1:
             return
@@ -178,11 +178,6 @@ class Sharded:
             return get_state_dict(self.model, self.optimizer)  # type: ignore[return-value]
         finally:
             self.quiet = False
-
-    def _device(self) -> torch.device:
-        if self.node.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
 
 def _local(node: Any) -> Any:
