@@ -85,13 +85,14 @@ def test_armed_since_is_carried_over():
     assert later.armed_since == 3.0 and later.wake_at == 13.0
 
 
-def nodes(*specs: tuple[str, int | None]) -> dict[str, NodeDescriptor]:
-    """Joiners by node id: (``"host:pid"``, previous rank) each."""
+def nodes(*specs: tuple[str, int | None] | tuple[str, int | None, int]) -> dict[str, NodeDescriptor]:
+    """Joiners by node id: (``"host:pid"``, previous rank[, node_order]) each."""
     joiners = {}
-    for spec, prev in specs:
+    for spec, prev, *order in specs:
         host, pid = spec.split(":")
         node_id = f"{host}:{pid}:0a1b2c3d"
-        joiners[node_id] = NodeDescriptor(node_id, host, int(pid), 1000, prev)
+        joiners[node_id] = NodeDescriptor(node_id, host, int(pid), 1000, prev,
+                                          order=order[0] if order else None)
     return joiners
 
 
@@ -119,6 +120,13 @@ def ranks(*pairs: tuple[str, int]) -> dict[str, int]:
          ranks(("a:1", 0), ("b:1", 1), ("c:1", 2), ("d:1", 3))),
         ("duplicate previous rank (stale node) is renumbered", nodes(("a:1", 0), ("b:1", 0)),
          RULES, ranks(("a:1", 0), ("b:1", 1))),
+        ("newcomers by node order (Slurm's node index) before host",
+         nodes(("c:1", None, 0), ("a:1", None, 2), ("b:1", None, 1)), RULES,
+         ranks(("c:1", 0), ("b:1", 1), ("a:1", 2))),
+        ("newcomers without a node order come after those with one",
+         nodes(("a:1", None), ("z:1", None, 0)), RULES, ranks(("z:1", 0), ("a:1", 1))),
+        ("node order does not move survivors", nodes(("a:1", 1, 0), ("b:1", 0, 1)), RULES,
+         ranks(("b:1", 0), ("a:1", 1))),
     ],
 )
 def test_plan_ranks(name, joiners, rules, expected):

@@ -30,6 +30,8 @@ from ._workers import WorkerGroup, WorkerSpec
 logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNALLED_LEAVE = 3.0
+"""Seconds a node stopped by a signal gives leaving the rendezvous before it exits anyway."""
 
 
 def worker_env(config: LaunchConfig, assignment: Assignment | None, local_rank: int,
@@ -100,6 +102,8 @@ class ElasticAgent:
         """When this agent started (wall time: what ``rdzv status`` shows as *up*)."""
         self.store_gone = False
         """The rendezvous store could not be reached for its whole timeout."""
+        self.signalled = False
+        """A signal asked this node to leave or stop (scancel, a preemption, Ctrl-C...)."""
 
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -127,6 +131,7 @@ class ElasticAgent:
                 signal.signal(signum, handler)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.signalled = True
         self.events.put(Signalled(signum))  # SimpleQueue.put is safe in a signal handler
 
     # -- running ----------------------------------------------------------------------------------
@@ -183,8 +188,23 @@ class ElasticAgent:
             error=read_error_file(error_file))
 
     def _shutdown_handler(self) -> None:
+        """Leave the rendezvous. After a signal, at most :data:`SIGNALLED_LEAVE` seconds: the
+        sender (Slurm's scancel, a preemption) waits for this process to end, and a store gone
+        with the other nodes of a cancelled job would hold it for the whole ``close_timeout``
+        (the peers see this node's session end anyway)."""
         if self.store_gone:  # leaving would only wait on it, for its timeout
             return
+        if not self.signalled:
+            self._leave()
+            return
+        leaving = threading.Thread(target=self._leave, name="rdzv-leave", daemon=True)
+        leaving.start()
+        leaving.join(SIGNALLED_LEAVE)
+        if leaving.is_alive():
+            self.say(f"the rendezvous store did not answer within {SIGNALLED_LEAVE:g} s while "
+                     "this node left it; exiting without waiting for it")
+
+    def _leave(self) -> None:
         try:
             self.handler.shutdown()
         except RendezvousError as exc:

@@ -2,7 +2,8 @@
 
 The flags are torchrun's (both ``--nproc-per-node`` and ``--nproc_per_node`` spellings). Each
 flag not given falls back to its env var ``PET_<NAME>`` (``PET_NNODES``, ``PET_RDZV_ENDPOINT``...),
-then to its default. :func:`config_from_args` turns the parsed flags into a checked
+then, inside a Slurm allocation, to what Slurm says (:mod:`._slurm`), then to its default;
+``LaunchConfig.origins`` keeps where each value came from (``rdzv run --print-config``). :func:`config_from_args` turns the parsed flags into a checked
 :class:`LaunchConfig` or raises :class:`ConfigError` naming the flag and saying how to fix it.
 """
 
@@ -20,6 +21,7 @@ from .._address import parse_endpoint
 from .._messages import PROGRESS_EVERY
 from ..errors import RendezvousParameterError
 from ..rendezvous._params import backend_spec
+from ._slurm import SlurmError, derive, in_allocation
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f", ""})
@@ -89,6 +91,9 @@ class LaunchConfig:
     """A node whose steps take this many times the others' own work is a straggler (0: off)."""
     replace_stragglers: bool = False
     """Ask a straggler to leave when a spare can take its place."""
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """Where each flag's value came from: the flag, its ``PET_*`` env var, ``Slurm: ...`` or
+    ``default`` (by flag name, and ``rdzv_conf:KEY`` for rendezvous options Slurm set)."""
 
 
 # (dest, flags, help, kind, default); kind: str, int, float, flag.
@@ -169,6 +174,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(*flags, dest=dest, default=None, metavar=dest.upper(),
                                 help=help_text)
+    parser.add_argument("--print-config", action="store_true",
+                        help="Print the configuration this node would run with, each value "
+                             "with where it came from (a flag, a PET_* env var, Slurm, a "
+                             "default), and exit.")
     parser.add_argument("--log-level", default="WARNING",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="What rdzv's own log shows (DEBUG: also a failure's traceback). "
@@ -312,7 +321,8 @@ def worker_command(script: str, script_args: list[str], module: bool, no_python:
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LaunchConfig:
     """Check the parsed flags (falling back to PET_* env vars) and build the launch config."""
-    values = _resolve(args, os.environ if env is None else env)
+    env = os.environ if env is None else env
+    values = _resolve(args, env)
 
     def raw(dest: str) -> Any:
         return values[dest][0]
@@ -325,6 +335,12 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         return where if where != "default" else _long_flag(next(o[1] for o in _OPTIONS
                                                                  if o[0] == dest))
 
+    static_flags = [d for d in ("master_addr", "master_port", "node_rank") if given(d)]
+    standalone = bool(raw("standalone"))
+    slurm_conf: dict[str, str] = {}
+    if in_allocation(env) and not standalone and not static_flags \
+            and str(raw("rdzv_backend")).strip().lower() != STATIC_BACKEND:
+        slurm_conf = _from_slurm(values, env)
     min_nodes, max_nodes = parse_nnodes(raw("nnodes"), source("nnodes"))
     nproc = parse_nproc(raw("nproc_per_node"), source("nproc_per_node"))
     backend = str(raw("rdzv_backend")).strip().lower()
@@ -333,9 +349,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     endpoint = str(raw("rdzv_endpoint")).strip()
     run_id = str(raw("rdzv_id")).strip()
     conf = parse_rdzv_conf(raw("rdzv_conf"), source("rdzv_conf"))
+    origins = {dest: where for dest, (_value, where) in values.items()}
+    origins.update((f"rdzv_conf:{key}", source("rdzv_conf")) for key in conf)
+    for key, value in slurm_conf.items():
+        if key not in conf:
+            conf[key] = value
+            origins[f"rdzv_conf:{key}"] = values[f"rdzv_conf:{key}"][1]
     node_rank = None
-    static_flags = [d for d in ("master_addr", "master_port", "node_rank") if given(d)]
-    standalone = bool(raw("standalone"))
     if standalone:
         clashing = [d for d in ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr",
                                 "master_port", "node_rank") if given(d)]
@@ -364,8 +384,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         elif given("master_addr") or given("master_port"):
             raise ConfigError(source(static_flags[0]), "the static store is given twice (also "
                                                        "by --rdzv-endpoint); drop one of them")
-        conf.setdefault("rank", str(node_rank))
-        conf.setdefault("world_size", str(max_nodes))
+        for key, value in (("rank", str(node_rank)), ("world_size", str(max_nodes))):
+            if key not in conf:
+                conf[key] = value
+                origins[f"rdzv_conf:{key}"] = "static job: --node-rank, --nnodes"
         if run_id == "none":
             run_id = "static"
     elif static_flags:
@@ -413,7 +435,50 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         hang_timeout=_hang_timeout(raw("hang_timeout"), source("hang_timeout")),
         straggler_factor=_straggler_factor(raw("straggler_factor"), source("straggler_factor")),
         replace_stragglers=bool(raw("replace_stragglers")),
+        origins=origins,
     )
+
+
+def _from_slurm(values: dict[str, tuple[Any, str]], env: Mapping[str, str]) -> dict[str, str]:
+    """Fill the flags not given from Slurm (in ``values``); the rendezvous options it sets."""
+    given = {dest: (None if values[dest][1] == "default" else str(values[dest][0]))
+             for dest in ("rdzv_id", "rdzv_endpoint", "rdzv_backend")}
+    try:
+        derived = derive(env, given)
+    except SlurmError as exc:
+        raise ConfigError("Slurm", str(exc)) from None
+    conf: dict[str, str] = {}
+    for name, item in derived.items():
+        if name in values:
+            if values[name][1] == "default":
+                values[name] = (item.value, item.origin)
+        else:
+            conf[name] = item.value
+            values[f"rdzv_conf:{name}"] = (item.value, item.origin)
+    return conf
+
+
+def describe(config: LaunchConfig) -> str:
+    """``rdzv run --print-config``: each value this node runs with, and where it came from."""
+    origins = config.origins
+    nnodes = (str(config.min_nodes) if config.min_nodes == config.max_nodes
+              else f"{config.min_nodes}:{config.max_nodes}")
+    rows = [
+        ("nnodes", nnodes, origins.get("nnodes", "default")),
+        ("nproc_per_node", str(config.nproc_per_node), origins.get("nproc_per_node", "default")),
+        ("rdzv_backend", config.rdzv_backend, origins.get("rdzv_backend", "default")),
+        ("rdzv_endpoint", config.rdzv_endpoint or "(none)", origins.get("rdzv_endpoint", "default")),
+        ("rdzv_id", config.run_id, origins.get("rdzv_id", "default")),
+        ("local_addr", config.local_addr or "(this machine's name)",
+         origins.get("local_addr", "default")),
+    ]
+    for key, value in sorted(config.rdzv_conf.items()):
+        rows.append((f"rdzv_conf {key}", value, origins.get(f"rdzv_conf:{key}", "default")))
+    rows.append(("command", " ".join(config.command), "TRAINING_SCRIPT"))
+    width = max(len(name) for name, _v, _o in rows)
+    value_width = min(40, max(len(value) for _n, value, _o in rows))
+    return "\n".join(f"{name:<{width}}  {value:<{value_width}}  ({origin})"
+                     for name, value, origin in rows)
 
 
 def _hang_timeout(raw: Any, source: str) -> float | None:

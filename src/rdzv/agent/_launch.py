@@ -15,7 +15,7 @@ from .._patience import notice_if_slow
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler, RendezvousParameters, get_rendezvous_handler
 from ._agent import ElasticAgent, say
-from ._config import ConfigError, LaunchConfig, check_command, config_from_args
+from ._config import ConfigError, LaunchConfig, check_command, config_from_args, describe
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"rdzv run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    if getattr(args, "print_config", False):
+        print(describe(config))
+        return 0
     try:
         return launch(config)
     except ValueError as exc:  # the backend rejected its parameters when creating the handler

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from .._address import parse_endpoint
 from .._patience import EVERY
 from ..errors import (
     RendezvousClosedError,
@@ -57,6 +58,7 @@ from ._protocol import (
     Node,
     Phase,
     Rules,
+    Signalled,
     Slot,
     Tick,
     Unreadable,
@@ -91,7 +93,14 @@ from ._round_io import (
     write_record,
 )
 from ._rules import step
-from ._watch import Watches, watch_finish, watch_membership, watch_next, watch_round
+from ._watch import (
+    Watches,
+    watch_finish,
+    watch_membership,
+    watch_next,
+    watch_round,
+    watch_store_up,
+)
 from ._workers import WorkerExited
 
 if TYPE_CHECKING:
@@ -133,6 +142,8 @@ class NodeRun:
         self.watches = Watches(self.handler)
         self._failures: list[WorkerFailure] = []
         self._paused: tuple[float, str] | None = None
+        self._probing = False
+        """Whether the store's server is watched (once a signal asked this node to leave)."""
         """Since when this node's training is paused (its workers stopped), and why."""
         self._alive_marked = -1
         self._port = 0
@@ -147,6 +158,8 @@ class NodeRun:
             except queue.Empty:
                 event = Tick()
             event = self._translate(event)
+            if isinstance(event, Signalled):
+                self._probe_store()
             if event is not None:
                 self._step(event)
             if not isinstance(event, Tick) and self.exit_code is None and \
@@ -158,6 +171,15 @@ class NodeRun:
         self.node, acts = step(self.node, event, time.monotonic(), self.rules)
         for action in acts:
             self._do(action)
+
+    def _probe_store(self) -> None:
+        """Once asked to leave, watch that a tcp store's server still listens (see
+        :func:`watch_store_up`)."""
+        if self._probing or self.config.rdzv_backend != "tcp" or self.config.standalone:
+            return
+        self._probing = True
+        host, port = parse_endpoint(self.config.rdzv_endpoint, None)
+        self.watches.add("rdzv-store-probe", watch_store_up(host, port, self.events.put))
 
     def close(self) -> None:
         self.watches.close()

@@ -1,6 +1,6 @@
 """What a node watches in the background, each on a thread of its own, reported as events of
 ``_protocol.py`` on the agent's queue: its round's membership, the round's control keys while a
-transition runs, and (leaving) how the others moved on.
+transition runs, (leaving) how the others moved on, and (signalled) whether the store is still up.
 
 Each watcher blocks on the store through its own client, so no watcher holds up another or the
 agent's own calls: the membership through the rendezvous's second client
@@ -10,7 +10,9 @@ wait is a bounded slice; a stopped watcher ends after its current slice and post
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -234,6 +236,35 @@ def watch_finish(done: Callable[[], bool], gen: int, post: Callable[[Any], None]
                     return
             except RendezvousError as exc:
                 logger.warning("cannot tell whether every node finished: %s", exc)
+
+    return body
+
+
+STORE_PROBE_EVERY = 0.5
+"""Seconds between two connection attempts of :func:`watch_store_up`."""
+STORE_PROBE_REFUSALS = 2
+"""Refused connections in a row that make the store gone."""
+
+
+def watch_store_up(host: str, port: int, post: Callable[[Any], None]
+                   ) -> Callable[[threading.Event], None]:
+    """A watcher body posting ``FormFailed("store")`` once connections to the store server at
+    ``host:port`` are refused :data:`STORE_PROBE_REFUSALS` times in a row: nothing listens
+    there any more (its process ended), which the store client would only conclude after its
+    whole timeout. For a node asked to leave: when the node that hosted the store was stopped
+    with it (Slurm's scancel of a whole job), there is nothing left to leave gracefully."""
+
+    def body(stopped: threading.Event) -> None:
+        refused = 0
+        while not stopped.wait(STORE_PROBE_EVERY):
+            try:
+                socket.create_connection((host, port), timeout=STORE_PROBE_EVERY).close()
+                refused = 0
+            except OSError as exc:
+                refused = refused + 1 if exc.errno == errno.ECONNREFUSED else 0
+            if refused >= STORE_PROBE_REFUSALS:
+                post(FormFailed("store", f"nothing listens at {host}:{port} any more"))
+                return
 
     return body
 

@@ -32,6 +32,7 @@ def dynamic_handler(
         last_call_timeout=params.get_option("last_call_timeout"),
         close_timeout=params.get_option("close_timeout"),
         history_size=params.get_option("history_size"),
+        node_order=params.get_option("node_order"),
         on_shutdown=on_shutdown,
         query_store=query_store,
     )

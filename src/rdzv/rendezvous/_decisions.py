@@ -17,8 +17,9 @@ Rules of a forming round r (torch's documented semantics, plus the re-rendezvous
   back) waits without a deadline, costs the running group nothing (members ignore newcomers that
   cannot fit, :func:`membership_changed`), and joins the round after a member leaves or is lost.
 
-Rank rule (:func:`plan_ranks`): newcomers are ordered by host, pid and node id (as torch orders
-its node descriptors: nodes of one host get neighbouring ranks). With more than ``max_nodes``
+Rank rule (:func:`plan_ranks`): newcomers are ordered by their ``node_order`` where they have
+one (under Slurm, the node's index in the job step), the others after them; then by host, pid and
+node id (as torch orders its node descriptors: nodes of one host get neighbouring ranks). With more than ``max_nodes``
 joiners, previous members are chosen first, then newcomers in that order. A previous member keeps
 its rank if it is below the new world size; the free ranks are given, lowest first, to the other
 previous members in the order of their old ranks, then to the newcomers in their order.
@@ -143,7 +144,7 @@ def plan_ranks(joiners: Mapping[str, NodeDescriptor], rules: RoundRules) -> dict
     )
     newcomers = sorted(
         (node for node in joiners.values() if node.prev_rank is None),
-        key=lambda node: (node.host, node.pid, node.node_id),
+        key=lambda node: (node.order is None, node.order or 0, node.host, node.pid, node.node_id),
     )
     chosen = (previous + newcomers)[: rules.max_nodes]
     world_size = len(chosen)

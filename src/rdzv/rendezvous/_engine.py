@@ -79,6 +79,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         last_call_timeout: float = 30.0,
         close_timeout: float = 30.0,
         history_size: int = DEFAULT_HISTORY_SIZE,
+        node_order: int | None = None,
         on_shutdown: Callable[[], None] | None = None,
         query_store: Callable[[], Store] | None = None,
     ) -> None:
@@ -95,6 +96,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._rules = RoundRules(min_nodes, max_nodes, float(last_call_timeout))
         self._backend = backend
         self._host = local_addr or socket.getfqdn()
+        self._node_order = node_order
         self._join_timeout = float(join_timeout)
         self._close_timeout = float(close_timeout)
         self._on_shutdown = on_shutdown
@@ -332,7 +334,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store, keys, me = self._store, self._keys, self._node_id
         node = NodeDescriptor(
             me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None,
-            round(time.time(), 6),
+            round(time.time(), 6), self._node_order,
         )
         writes = {keys.expect(r + 1, me): b"1", keys.node(r, me): encode_node(node)}
         if previous is not None:

@@ -77,6 +77,8 @@ class NodeDescriptor:
     prev_rank: int | None
     joined_at: float | None = None
     """The wall time it joined (for the history's formation time); None from older nodes."""
+    order: int | None = None
+    """Its place among the newcomers of a round (the ``node_order`` option), if it has one."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,8 @@ def _field(key: str, data: dict[str, Any], name: str, kind: type, optional: bool
 
 def encode_node(node: NodeDescriptor) -> bytes:
     return _dump({"t": "node", "id": node.node_id, "host": node.host, "pid": node.pid,
-                  "port": node.port, "prev": node.prev_rank, "at": node.joined_at})
+                  "port": node.port, "prev": node.prev_rank, "at": node.joined_at,
+                  "order": node.order})
 
 
 def decode_node(key: str, raw: bytes) -> NodeDescriptor:
@@ -253,6 +256,7 @@ def decode_node(key: str, raw: bytes) -> NodeDescriptor:
         port=_field(key, data, "port", int),
         prev_rank=_field(key, data, "prev", int, optional=True),
         joined_at=_field(key, data, "at", float, optional=True),
+        order=_field(key, data, "order", int, optional=True),
     )
 
 

@@ -131,6 +131,9 @@ _ROUND_OPTIONS = (
            "dynamic backends use join_timeout.", minimum=0),
     Option("history_size", int, 10_000, "The newest events the run's history keeps in its "
            "store (rdzv status --events); 0 records none.", minimum=0),
+    Option("node_order", int, None, "This node's place among the newcomers of a round: nodes "
+           "with a lower number get lower ranks, nodes without one come last, by host (rdzv run "
+           "sets it to SLURM_NODEID under Slurm).", minimum=0),
 )
 
 _ETCD_OPTIONS = (
