@@ -1,8 +1,8 @@
 """Suite-wide rule: in CI (``CI=true``) the real dependencies must be there; and the headless
 browser's ``page`` fixture, for the tests of the web view.
 
-Tests that need torch, an etcd server, prometheus_client or a browser (Chromium driven by
-Playwright) skip with a reason on a developer's machine that lacks them; under CI the whole run
+Tests that need torch, an etcd server, prometheus_client, a browser (Chromium driven by
+Playwright) or Slurm (slurm-wlm and munge) skip with a reason on a developer's machine that lacks them; under CI the whole run
 stops at once instead, naming what is missing, so that a broken install step in ``scripts/test``
 can never pass as a run of skipped tests.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,11 +38,14 @@ def pytest_configure(config: pytest.Config) -> None:
         find_etcd_binaries()
     except EtcdNotFoundError:
         missing.append("an etcd server (bash scripts/install-etcd)")
-    for module in ("prometheus_client", "playwright"):
+    for module in ("prometheus_client", "playwright", "yaml"):
         if importlib.util.find_spec(module) is None:
             missing.append(f"{module} (pip install -e '.[test]')")
     if not os.access(CHROMIUM, os.X_OK):
         missing.append(f"Chromium at {CHROMIUM} (bash scripts/install-chromium)")
+    slurm = [name for name in ("slurmctld", "slurmd", "munged", "sbatch") if not shutil.which(name)]
+    if slurm:
+        missing.append(f"Slurm ({', '.join(slurm)}: bash scripts/slurm-cluster install)")
     if missing:
         raise pytest.UsageError(
             "CI=true but the test dependencies are missing: " + "; ".join(missing)

@@ -152,3 +152,57 @@ def test_cli_missing_script_exits_2() -> None:
 def test_cli_unknown_rdzv_option_exits_2() -> None:
     result = run_cli("--standalone", "--rdzv-conf", "join_timout=1", __file__)
     assert result.returncode == 2 and "Did you mean 'join_timeout'" in result.stderr
+
+
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "3",
+              "SLURM_STEP_NUM_TASKS": "3", "SLURM_NODEID": "2"}
+"""A Slurm step's environment (without SLURMD_NODENAME, whose address only scontrol knows; the
+real-cluster tests in tests/clusters cover the rest)."""
+
+
+def test_slurm_fills_what_no_flag_gives_and_flags_win() -> None:
+    config = parse(["--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379", "train.py"],
+                   SLURM_STEP)
+    assert (config.min_nodes, config.max_nodes, config.run_id) == (3, 3, "4242")
+    assert config.rdzv_conf == {"node_order": "2", "last_call_timeout": "2"}
+    assert config.origins["nnodes"] == "Slurm: SLURM_STEP_NUM_NODES"
+    assert config.origins["rdzv_id"] == "Slurm: SLURM_JOB_ID"
+    assert config.origins["rdzv_conf:node_order"] == "Slurm: SLURM_NODEID"
+    given = parse(["--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379", "--nnodes",
+                   "2:4", "--rdzv-conf", "node_order=7", "train.py"],
+                  {**SLURM_STEP, "PET_RDZV_ID": "mine"})
+    assert (given.min_nodes, given.max_nodes, given.run_id) == (2, 4, "mine")
+    assert given.rdzv_conf["node_order"] == "7"
+    assert given.origins["rdzv_conf:node_order"] == "--rdzv-conf"
+    assert given.origins["rdzv_id"] == "PET_RDZV_ID"
+
+
+def test_standalone_and_static_jobs_take_nothing_from_slurm() -> None:
+    standalone = parse(["--standalone", "train.py"], SLURM_STEP)
+    assert standalone.max_nodes == 1 and "node_order" not in standalone.rdzv_conf
+    static = parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                    "train.py"], SLURM_STEP)
+    assert static.rdzv_backend == "static" and static.run_id == "static"
+    assert static.origins["rdzv_conf:rank"] == "static job: --node-rank, --nnodes"
+
+
+def test_a_kubernetes_indexed_job_orders_the_nodes_by_pod_index() -> None:
+    config = parse([*ELASTIC, "train.py"], {"JOB_COMPLETION_INDEX": "3"})
+    assert config.rdzv_conf == {"node_order": "3"}
+    assert config.origins["rdzv_conf:node_order"] == "Kubernetes: JOB_COMPLETION_INDEX"
+
+
+def test_print_config_shows_each_value_and_its_origin() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "rdzv", "run", "--print-config", "--nnodes", "1:4", "--rdzv-id",
+         "job", "--rdzv-conf", "join_timeout=5", "no/such/script.py"],
+        env={"PATH": "/usr/bin:/bin", "PET_NPROC_PER_NODE": "2"}, capture_output=True,
+        text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [" ".join(line.split()) for line in done.stdout.splitlines()]
+    assert rows[:6] == ["nnodes 1:4 (--nnodes)", "nproc_per_node 2 (PET_NPROC_PER_NODE)",
+                        "rdzv_backend tcp (default)", "rdzv_endpoint localhost:29400 (default)",
+                        "rdzv_id job (--rdzv-id)",
+                        "local_addr (this machine's name) (default)"]
+    assert rows[6] == "rdzv_conf join_timeout 5 (--rdzv-conf)"
+    assert rows[7].startswith("command ") and rows[7].endswith("no/such/script.py (TRAINING_SCRIPT)")

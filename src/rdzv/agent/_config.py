@@ -2,7 +2,8 @@
 
 The flags are torchrun's (both ``--nproc-per-node`` and ``--nproc_per_node`` spellings). Each
 flag not given falls back to its env var ``PET_<NAME>`` (``PET_NNODES``, ``PET_RDZV_ENDPOINT``...),
-then, inside a Slurm allocation, to what Slurm says (:mod:`._slurm`), then to its default;
+then to what Slurm (:mod:`._slurm`) or a Kubernetes Indexed Job (:mod:`._kubernetes`) says,
+then to its default;
 ``LaunchConfig.origins`` keeps where each value came from (``rdzv run --print-config``). :func:`config_from_args` turns the parsed flags into a checked
 :class:`LaunchConfig` or raises :class:`ConfigError` naming the flag and saying how to fix it.
 """
@@ -21,7 +22,7 @@ from .._address import parse_endpoint
 from .._messages import PROGRESS_EVERY
 from ..errors import RendezvousParameterError
 from ..rendezvous._params import backend_spec
-from ._slurm import SlurmError, derive, in_allocation
+from . import _kubernetes, _slurm
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f", ""})
@@ -337,10 +338,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
 
     static_flags = [d for d in ("master_addr", "master_port", "node_rank") if given(d)]
     standalone = bool(raw("standalone"))
-    slurm_conf: dict[str, str] = {}
-    if in_allocation(env) and not standalone and not static_flags \
+    derived_conf: dict[str, str] = {}
+    if not standalone and not static_flags \
             and str(raw("rdzv_backend")).strip().lower() != STATIC_BACKEND:
-        slurm_conf = _from_slurm(values, env)
+        derived_conf = _from_environment(values, env)
     min_nodes, max_nodes = parse_nnodes(raw("nnodes"), source("nnodes"))
     nproc = parse_nproc(raw("nproc_per_node"), source("nproc_per_node"))
     backend = str(raw("rdzv_backend")).strip().lower()
@@ -351,7 +352,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     conf = parse_rdzv_conf(raw("rdzv_conf"), source("rdzv_conf"))
     origins = {dest: where for dest, (_value, where) in values.items()}
     origins.update((f"rdzv_conf:{key}", source("rdzv_conf")) for key in conf)
-    for key, value in slurm_conf.items():
+    for key, value in derived_conf.items():
         if key not in conf:
             conf[key] = value
             origins[f"rdzv_conf:{key}"] = values[f"rdzv_conf:{key}"][1]
@@ -439,14 +440,21 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     )
 
 
-def _from_slurm(values: dict[str, tuple[Any, str]], env: Mapping[str, str]) -> dict[str, str]:
-    """Fill the flags not given from Slurm (in ``values``); the rendezvous options it sets."""
-    given = {dest: (None if values[dest][1] == "default" else str(values[dest][0]))
-             for dest in ("rdzv_id", "rdzv_endpoint", "rdzv_backend")}
-    try:
-        derived = derive(env, given)
-    except SlurmError as exc:
-        raise ConfigError("Slurm", str(exc)) from None
+def _from_environment(values: dict[str, tuple[Any, str]], env: Mapping[str, str]
+                      ) -> dict[str, str]:
+    """Fill the flags not given (in ``values``) from Slurm's or Kubernetes' environment; the
+    rendezvous options it sets."""
+    if _slurm.in_allocation(env):
+        given = {dest: (None if values[dest][1] == "default" else str(values[dest][0]))
+                 for dest in ("rdzv_id", "rdzv_endpoint", "rdzv_backend")}
+        try:
+            derived = _slurm.derive(env, given)
+        except _slurm.SlurmError as exc:
+            raise ConfigError("Slurm", str(exc)) from None
+    elif _kubernetes.in_indexed_job(env):
+        derived = _kubernetes.derive(env)
+    else:
+        return {}
     conf: dict[str, str] = {}
     for name, item in derived.items():
         if name in values:
@@ -474,9 +482,9 @@ def describe(config: LaunchConfig) -> str:
     ]
     for key, value in sorted(config.rdzv_conf.items()):
         rows.append((f"rdzv_conf {key}", value, origins.get(f"rdzv_conf:{key}", "default")))
+    value_width = max(len(value) for _n, value, _o in rows)
     rows.append(("command", " ".join(config.command), "TRAINING_SCRIPT"))
     width = max(len(name) for name, _v, _o in rows)
-    value_width = min(40, max(len(value) for _n, value, _o in rows))
     return "\n".join(f"{name:<{width}}  {value:<{value_width}}  ({origin})"
                      for name, value, origin in rows)
 

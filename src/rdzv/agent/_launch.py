@@ -110,14 +110,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     """The ``func`` of ``rdzv run``: check the flags, then launch."""
     try:
         config = config_from_args(args)
-        check_command(config)
         rendezvous_parameters(config)
+        if getattr(args, "print_config", False):  # (the script need not be on this machine)
+            print(describe(config))
+            return 0
+        check_command(config)
     except (ConfigError, ValueError) as exc:
         print(f"rdzv run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    if getattr(args, "print_config", False):
-        print(describe(config))
-        return 0
     try:
         return launch(config)
     except ValueError as exc:  # the backend rejected its parameters when creating the handler

@@ -272,8 +272,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if member is None:
             return False
         self.report_left({self._node_id: "graceful_leave"})
+        self.record_event("node_leaving")  # (stamped before the others can seal without it)
         self._store.delete_key(self._keys.expect(member.round + 1, self._node_id))
-        self.record_event("node_leaving")
         logger.info("rendezvous %s: %s leaves after round %d", self._keys.run_id, self._node_id,
                     member.round)
         return True

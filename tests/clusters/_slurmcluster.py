@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from _waiting import eventually
 
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm-cluster"
 EXAMPLE = ROOT / "examples" / "elastic_train.py"
 PRINT_RANK = ROOT / "examples" / "print_rank.py"
+SBATCH_SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 class Cluster:
@@ -33,16 +36,20 @@ class Cluster:
         assert done.returncode == 0, f"{' '.join(args)}: {done.stderr.strip()}"
         return done.stdout
 
-    def sbatch(self, *options: str, wrap: str, cwd: Path, env: dict[str, str] | None = None,
-               wait: bool = False) -> str:
-        """Submit ``wrap`` as a batch script; the job id (after its end with ``wait``)."""
-        args = ["sbatch", "--parsable", f"--chdir={cwd}", *options, f"--wrap={wrap}"]
-        if wait:
-            args.insert(1, "--wait")
+    def sbatch(self, *options: str, wrap: str | None = None, script: Sequence[str] = (),
+               cwd: Path, env: dict[str, str] | None = None, wait: bool = False) -> str:
+        """Submit ``wrap`` (or the batch ``script`` with its arguments) from directory ``cwd``
+        (the job's working and submit directory unless ``--chdir`` says otherwise); the job id
+        (once the job has ended, with ``wait``)."""
+        args = ["sbatch", "--parsable", f"--chdir={cwd}", *options,
+                *([f"--wrap={wrap}"] if wrap is not None else script)]
         done = subprocess.run(args, env={**self.env, **(env or {})}, capture_output=True,
-                              text=True, timeout=120, check=False)
+                              text=True, timeout=60, check=False, cwd=cwd)
         assert done.stdout.strip(), f"sbatch failed: {done.stderr.strip()}"
-        return done.stdout.strip().split(";")[0]
+        job_id = done.stdout.strip().split(";")[0]
+        if wait:  # (polled: sbatch --wait looks every few seconds only)
+            self.wait_state(job_id, ENDED, 120)
+        return job_id
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields of a job."""

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from _waiting import eventually
-from _slurmcluster import EXAMPLE, PRINT_RANK, Cluster
+from _slurmcluster import EXAMPLE, PRINT_RANK, ROOT, SBATCH_SCRIPT, Cluster
 
 CONFIG_LINE = re.compile(r"^(\S+(?: \S+)?)\s{2,}(.*?)\s{2,}\((.*)\)$")
 
@@ -129,14 +129,17 @@ def test_a_job_trains_with_no_rendezvous_flag(cluster: Cluster, tmp_path: Path) 
 
 def test_allocations_join_leave_requeue_and_die_in_process(cluster: Cluster,
                                                           tmp_path: Path) -> None:
-    """A 2-node job of ``--nnodes 2:3``; a 1-node allocation naming it joins in-process; a
-    requeue makes it leave gracefully and come back as a newcomer; ``scancel`` makes it leave
-    gracefully; a node's processes SIGKILLed through Slurm are survived in-process."""
+    """``examples/slurm/train.sbatch`` as its comments say: a 2-node job; a 1-node allocation
+    naming it joins in-process; a requeue makes it leave gracefully and come back as a
+    newcomer; ``scancel`` makes it leave gracefully; a node whose processes Slurm SIGKILLs is
+    survived in-process; ``scancel`` of the first job ends everything at once."""
     path = tmp_path / "progress.jsonl"
-    train = (f"rdzv run --nnodes 2:3 {EXAMPLE} --steps 100000 --step-sleep 0.02 "
-             f"--checkpoint {tmp_path / 'ckpt'} --log-every 1")
-    main = cluster.sbatch("-N2", "-o", "main.txt", cwd=tmp_path,
-                          wrap=f"srun --ntasks-per-node=1 {train} --progress {path}")
+    # (the example's own command, its training flags added after the script)
+    train = [str(SBATCH_SCRIPT), "--steps", "100000", "--step-sleep", "0.02", "--checkpoint",
+             str(tmp_path / "ckpt"), "--log-every", "1"]
+    where = f"--chdir={ROOT}"  # (the script names examples/elastic_train.py from the clone)
+    main = cluster.sbatch("-N2", where, "-o", str(tmp_path / "main.txt"), cwd=tmp_path,
+                          script=[*train, "--progress", str(path)])
     jobs = [main]
 
     def world(size: int, after: int, what: str) -> int:
@@ -147,8 +150,8 @@ def test_allocations_join_leave_requeue_and_die_in_process(cluster: Cluster,
 
     try:
         start = world(2, 5, "the 2-node job training")
-        other = cluster.sbatch("-N1", "--requeue", "-o", "other.txt", "--open-mode=append",
-                               cwd=tmp_path, env={"PET_RDZV_ID": main}, wrap=f"srun {train}")
+        other = cluster.sbatch("-N1", where, "-o", str(tmp_path / "other.txt"), cwd=tmp_path,
+                               env={"PET_RDZV_ID": main}, script=train)
         jobs.append(other)
         joined = world(3, start, "the second allocation in the job")
         cluster.command("scontrol", "requeue", other)
@@ -158,8 +161,8 @@ def test_allocations_join_leave_requeue_and_die_in_process(cluster: Cluster,
         cancelled = world(2, back, "the cancelled allocation gone")
         cluster.assert_no_processes(other)
 
-        third = cluster.sbatch("-N1", "-o", "third.txt", cwd=tmp_path,
-                               env={"PET_RDZV_ID": main}, wrap=f"srun {train}")
+        third = cluster.sbatch("-N1", where, "-o", str(tmp_path / "third.txt"), cwd=tmp_path,
+                               env={"PET_RDZV_ID": main}, script=train)
         jobs.append(third)
         grown = world(3, cancelled, "the third allocation in the job")
         cluster.command("scancel", "--signal=KILL", f"{third}.0")  # its step's processes
