@@ -104,6 +104,13 @@ def test_a_port_already_taken_is_named(launcher: Launcher) -> None:
     assert code == 1 and no_traceback(lines), lines
     assert f"cannot serve the web view on 127.0.0.1:{port}: Address already in use: another " \
            f"process listens on port {port}" in lines[-1][1], lines
+    # a node that must host the run's store (Slurm's first node: is_host=1) on a taken port
+    lines, code = timed(["run", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+                         "--rdzv-conf", "is_host=1", PRINT_RANK])
+    text = "\n".join(line for _, line in lines)
+    assert code == 1 and no_traceback(lines), lines
+    assert f"this node hosts the store (is_host) but port {port} is taken on it" in text, text
+    assert "likely: another program (or another job's store) listens on that port" in text, text
 
 
 def test_a_host_name_that_does_not_resolve_is_told_apart() -> None:

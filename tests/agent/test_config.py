@@ -155,26 +155,40 @@ def test_cli_unknown_rdzv_option_exits_2() -> None:
 
 
 SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "3",
-              "SLURM_STEP_NUM_TASKS": "3", "SLURM_NODEID": "2"}
-"""A Slurm step's environment (without SLURMD_NODENAME, whose address only scontrol knows; the
-real-cluster tests in tests/clusters cover the rest)."""
+              "SLURM_STEP_NUM_TASKS": "3", "SLURM_NODEID": "2", "SLURMD_NODENAME": "node7",
+              "SLURM_STEP_NODELIST": "node[5-7]", "PATH": "/nonexistent"}
+"""A Slurm step's environment, on a node without Slurm's commands (a container, say): what the
+flags make unnecessary is never asked of scontrol. (The real-cluster tests in tests/clusters
+cover what scontrol says.)"""
+GIVEN = ["--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379", "--local-addr", "10.0.0.7"]
 
 
-def test_slurm_fills_what_no_flag_gives_and_flags_win() -> None:
-    config = parse(["--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379", "train.py"],
-                   SLURM_STEP)
+def test_slurm_fills_what_no_flag_gives_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # (no scontrol to run)
+    config = parse([*GIVEN, "train.py"], SLURM_STEP)
     assert (config.min_nodes, config.max_nodes, config.run_id) == (3, 3, "4242")
     assert config.rdzv_conf == {"node_order": "2", "last_call_timeout": "2"}
     assert config.origins["nnodes"] == "Slurm: SLURM_STEP_NUM_NODES"
     assert config.origins["rdzv_id"] == "Slurm: SLURM_JOB_ID"
     assert config.origins["rdzv_conf:node_order"] == "Slurm: SLURM_NODEID"
-    given = parse(["--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379", "--nnodes",
-                   "2:4", "--rdzv-conf", "node_order=7", "train.py"],
+    given = parse([*GIVEN, "--nnodes", "2:4", "--rdzv-conf", "node_order=7", "train.py"],
                   {**SLURM_STEP, "PET_RDZV_ID": "mine"})
     assert (given.min_nodes, given.max_nodes, given.run_id) == (2, 4, "mine")
     assert given.rdzv_conf["node_order"] == "7"
     assert given.origins["rdzv_conf:node_order"] == "--rdzv-conf"
     assert given.origins["rdzv_id"] == "PET_RDZV_ID"
+    # what only scontrol knows, asked of a node without it: the error names the flags to give
+    with pytest.raises(ConfigError, match=r"Slurm: scontrol is not on PATH \(a container without "
+                       r"Slurm's commands\?\); give --rdzv-endpoint HOST:PORT and --local-addr "
+                       r"ADDRESS"):
+        parse(["train.py"], SLURM_STEP)
+    # joining another job's run: its size is not this allocation's
+    with pytest.raises(ConfigError, match="--rdzv-id 17 joins the run of another job: give that "
+                                          "run's --nnodes MIN:MAX too"):
+        parse([*GIVEN, "--rdzv-id", "17", "train.py"], SLURM_STEP)
+    # a shell of the allocation that is not on one of its nodes
+    with pytest.raises(ConfigError, match="not on one of its nodes"):
+        parse([*GIVEN, "train.py"], {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2"})
 
 
 def test_standalone_and_static_jobs_take_nothing_from_slurm() -> None:
@@ -205,4 +219,5 @@ def test_print_config_shows_each_value_and_its_origin() -> None:
                         "rdzv_id job (--rdzv-id)",
                         "local_addr (this machine's name) (default)"]
     assert rows[6] == "rdzv_conf join_timeout 5 (--rdzv-conf)"
-    assert rows[7].startswith("command ") and rows[7].endswith("no/such/script.py (TRAINING_SCRIPT)")
+    assert rows[7].startswith("command ")
+    assert rows[7].endswith("no/such/script.py (TRAINING_SCRIPT)")

@@ -1,6 +1,6 @@
-"""The loopback Slurm cluster of the tests in ``tests/slurm``: ``scripts/slurm-cluster`` starts it;
-:class:`Cluster` submits, looks at and ends its jobs with Slurm's own commands. (A uniquely named
-module, imported by the tests and their conftest.)"""
+"""The loopback Slurm cluster of the tests in ``tests/clusters``: ``scripts/slurm-cluster``
+starts it; :class:`Cluster` submits, looks at and ends its jobs with Slurm's own commands. (A
+uniquely named module, imported by the tests and their conftest.)"""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Sequence
 
 from _waiting import eventually
+
+from rdzv.agent._slurm import records  # (the parser rdzv run reads scontrol's answers with)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm-cluster"
@@ -54,8 +56,7 @@ class Cluster:
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields of a job."""
         text = self.command("scontrol", "show", "job", job_id, "--oneliner")
-        pairs = (word.partition("=") for word in text.split())
-        return {key: value for key, sep, value in pairs if sep}
+        return next(r for r in records(text) if r.get("JobId") == job_id)
 
     def state(self, job_id: str) -> str:
         return self.job(job_id).get("JobState", "")

@@ -11,7 +11,6 @@ import subprocess
 from typing import Iterator
 
 import pytest
-
 from _slurmcluster import SCRIPT, Cluster
 
 

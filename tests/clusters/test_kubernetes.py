@@ -18,6 +18,7 @@ from rdzv.cli import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "examples" / "kubernetes").glob("*.yaml"))
 POD_IP = "10.1.2.3"
+JOB_UID = "0c5f1d2e-9a7b-4c3d-8e6f-112233445566"
 INDEX = "1"
 
 
@@ -49,7 +50,7 @@ def pod_env(workload: dict[str, Any], container: dict[str, Any]) -> dict[str, st
             env[item["name"]] = str(item["value"])
             continue
         path = item["valueFrom"]["fieldRef"]["fieldPath"]
-        known = {"metadata.labels['batch.kubernetes.io/job-name']": workload["metadata"]["name"],
+        known = {"metadata.labels['batch.kubernetes.io/controller-uid']": JOB_UID,
                  "status.podIP": POD_IP}
         assert path in known, f"a fieldRef this test does not know: {path}"
         env[item["name"]] = known[path]
@@ -88,8 +89,7 @@ def test_rdzv_run_in_a_pod_derives_what_the_manifest_says(tmp_path: Path) -> Non
                           capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
     assert done.returncode == 0, done.stderr
     lines = {line.split("  ")[0]: " ".join(line.split()) for line in done.stdout.splitlines()}
-    name = workload["metadata"]["name"]
-    assert lines["rdzv_id"] == f"rdzv_id {name} (PET_RDZV_ID)"
+    assert lines["rdzv_id"] == f"rdzv_id {JOB_UID} (PET_RDZV_ID)"
     assert lines["local_addr"] == f"local_addr {POD_IP} (PET_LOCAL_ADDR)"
     assert lines["rdzv_conf node_order"] == (f"rdzv_conf node_order {INDEX} (Kubernetes: "
                                              "JOB_COMPLETION_INDEX)")

@@ -2,10 +2,10 @@
 
 The flags are torchrun's (both ``--nproc-per-node`` and ``--nproc_per_node`` spellings). Each
 flag not given falls back to its env var ``PET_<NAME>`` (``PET_NNODES``, ``PET_RDZV_ENDPOINT``...),
-then to what Slurm (:mod:`._slurm`) or a Kubernetes Indexed Job (:mod:`._kubernetes`) says,
-then to its default;
-``LaunchConfig.origins`` keeps where each value came from (``rdzv run --print-config``). :func:`config_from_args` turns the parsed flags into a checked
-:class:`LaunchConfig` or raises :class:`ConfigError` naming the flag and saying how to fix it.
+then to what Slurm or a Kubernetes Indexed Job says (:mod:`._environment`), then to its default;
+``LaunchConfig.origins`` keeps where each value came from (``rdzv run --print-config``).
+:func:`config_from_args` turns the parsed flags into a checked :class:`LaunchConfig` or raises
+:class:`ConfigError` naming the flag and saying how to fix it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .._address import parse_endpoint
 from .._messages import PROGRESS_EVERY
 from ..errors import RendezvousParameterError
 from ..rendezvous._params import backend_spec
-from . import _kubernetes, _slurm
+from ._environment import derive
+from ._slurm import SlurmError
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f", ""})
@@ -444,49 +445,21 @@ def _from_environment(values: dict[str, tuple[Any, str]], env: Mapping[str, str]
                       ) -> dict[str, str]:
     """Fill the flags not given (in ``values``) from Slurm's or Kubernetes' environment; the
     rendezvous options it sets."""
-    if _slurm.in_allocation(env):
-        given = {dest: (None if values[dest][1] == "default" else str(values[dest][0]))
-                 for dest in ("rdzv_id", "rdzv_endpoint", "rdzv_backend")}
-        try:
-            derived = _slurm.derive(env, given)
-        except _slurm.SlurmError as exc:
-            raise ConfigError("Slurm", str(exc)) from None
-    elif _kubernetes.in_indexed_job(env):
-        derived = _kubernetes.derive(env)
-    else:
-        return {}
+    given = {dest: (None if values[dest][1] == "default" else str(values[dest][0]))
+             for dest in ("nnodes", "rdzv_id", "rdzv_endpoint", "rdzv_backend", "local_addr")}
+    try:
+        derived = derive(env, given)
+    except SlurmError as exc:
+        raise ConfigError("Slurm", str(exc)) from None
     conf: dict[str, str] = {}
-    for name, item in derived.items():
+    for name, (value, origin) in derived.items():
         if name in values:
             if values[name][1] == "default":
-                values[name] = (item.value, item.origin)
+                values[name] = (value, origin)
         else:
-            conf[name] = item.value
-            values[f"rdzv_conf:{name}"] = (item.value, item.origin)
+            conf[name] = value
+            values[f"rdzv_conf:{name}"] = (value, origin)
     return conf
-
-
-def describe(config: LaunchConfig) -> str:
-    """``rdzv run --print-config``: each value this node runs with, and where it came from."""
-    origins = config.origins
-    nnodes = (str(config.min_nodes) if config.min_nodes == config.max_nodes
-              else f"{config.min_nodes}:{config.max_nodes}")
-    rows = [
-        ("nnodes", nnodes, origins.get("nnodes", "default")),
-        ("nproc_per_node", str(config.nproc_per_node), origins.get("nproc_per_node", "default")),
-        ("rdzv_backend", config.rdzv_backend, origins.get("rdzv_backend", "default")),
-        ("rdzv_endpoint", config.rdzv_endpoint or "(none)", origins.get("rdzv_endpoint", "default")),
-        ("rdzv_id", config.run_id, origins.get("rdzv_id", "default")),
-        ("local_addr", config.local_addr or "(this machine's name)",
-         origins.get("local_addr", "default")),
-    ]
-    for key, value in sorted(config.rdzv_conf.items()):
-        rows.append((f"rdzv_conf {key}", value, origins.get(f"rdzv_conf:{key}", "default")))
-    value_width = max(len(value) for _n, value, _o in rows)
-    rows.append(("command", " ".join(config.command), "TRAINING_SCRIPT"))
-    width = max(len(name) for name, _v, _o in rows)
-    return "\n".join(f"{name:<{width}}  {value:<{value_width}}  ({origin})"
-                     for name, value, origin in rows)
 
 
 def _hang_timeout(raw: Any, source: str) -> float | None:

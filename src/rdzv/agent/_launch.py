@@ -15,7 +15,8 @@ from .._patience import notice_if_slow
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler, RendezvousParameters, get_rendezvous_handler
 from ._agent import ElasticAgent, say
-from ._config import ConfigError, LaunchConfig, check_command, config_from_args, describe
+from ._config import ConfigError, LaunchConfig, check_command, config_from_args
+from ._environment import describe
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ def unreachable(config: LaunchConfig, exc: RendezvousError) -> str:
         causes = ("the host name in --rdzv-endpoint is misspelt, or its DNS name does not exist "
                   "(yet)")
         todo = "check --rdzv-endpoint's host; --rdzv-conf read_timeout=SECONDS waits longer"
+    elif "is taken on it" in text:
+        causes = "another program (or another job's store) listens on that port of this node"
+        todo = ("give --rdzv-endpoint with a free port (the same on every node), or stop what "
+                "listens there (`ss -ltnp` shows it)")
     elif config.rdzv_backend == "etcd":
         causes = f"etcd is not running at {config.rdzv_endpoint}, or a firewall drops the port"
         todo = ("start etcd there (see docs/etcd.md), or check --rdzv-endpoint; without etcd, "

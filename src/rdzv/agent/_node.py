@@ -142,9 +142,9 @@ class NodeRun:
         self.watches = Watches(self.handler)
         self._failures: list[WorkerFailure] = []
         self._paused: tuple[float, str] | None = None
+        """Since when this node's training is paused (its workers stopped), and why."""
         self._probing = False
         """Whether the store's server is watched (once a signal asked this node to leave)."""
-        """Since when this node's training is paused (its workers stopped), and why."""
         self._alive_marked = -1
         self._port = 0
         """The port this node reserved in the current round for a new group's store."""

@@ -133,7 +133,8 @@ _ROUND_OPTIONS = (
            "store (rdzv status --events); 0 records none.", minimum=0),
     Option("node_order", int, None, "This node's place among the newcomers of a round: nodes "
            "with a lower number get lower ranks, nodes without one come last, by host (rdzv run "
-           "sets it to SLURM_NODEID under Slurm).", minimum=0),
+           "sets it to SLURM_NODEID under Slurm, to JOB_COMPLETION_INDEX in a Kubernetes Indexed "
+           "Job).", minimum=0),
 )
 
 _ETCD_OPTIONS = (

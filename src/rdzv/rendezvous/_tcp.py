@@ -81,8 +81,16 @@ def open_store(params: RendezvousParameters) -> tuple[TCPStore, bool, Callable[[
             store = TCPStore(host, port, is_master=True, **options)
             return store, True, lambda: TCPStore(host, store.port, **options)
         except (OSError, StoreConnectionError) as exc:
-            if forced or not _address_in_use(exc):
-                raise
+            if forced and _address_in_use(exc):
+                raise StoreConnectionError(
+                    f"this node hosts the store (is_host) but port {port} is taken on it (by "
+                    "another program, or the store of another job on this node): give "
+                    "--rdzv-endpoint HOST:PORT with a free port") from exc
+            if not _address_in_use(exc):
+                if isinstance(exc, StoreConnectionError):
+                    raise
+                raise StoreConnectionError(f"cannot serve the store at {host}:{port}: {exc}") \
+                    from exc
             logger.info("rendezvous store %s:%d is served elsewhere: connecting", host, port)
     return TCPStore(host, port, **options), False, lambda: TCPStore(host, port, **options)
 
