@@ -130,7 +130,7 @@ def test_a_job_trains_with_no_rendezvous_flag(cluster: Cluster, tmp_path: Path) 
     training runs to its end, the job exits 0."""
     job = cluster.sbatch("-N2", "-o", "job.txt", cwd=tmp_path, wait=True,
                          wrap=f"srun --ntasks-per-node=1 -o node-%n.txt rdzv run {EXAMPLE} "
-                              "--steps 60 --checkpoint ckpt --progress progress.jsonl "
+                              "--steps 60 --step-sleep 0.02 --checkpoint ckpt --progress progress.jsonl "
                               "--log-every 1")
     fields = cluster.job(job)
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), \
@@ -154,7 +154,7 @@ def test_allocations_join_leave_requeue_and_die_in_process(cluster: Cluster,
     first job ends everything at once."""
     path = tmp_path / "progress.jsonl"
     # (the example's own command, its training flags added after the script)
-    train = [str(SBATCH_SCRIPT), "--steps", "100000", "--step-sleep", "0.02", "--checkpoint",
+    train = [str(SBATCH_SCRIPT), "--steps", "100000", "--step-sleep", "0.05", "--checkpoint",
              str(tmp_path / "ckpt"), "--log-every", "1"]
     where = f"--chdir={ROOT}"  # (the script names examples/elastic_train.py from the clone)
     secret = {"RDZV_SECRET_FILE": str(tmp_path / "secret")}  # (made by the first job)

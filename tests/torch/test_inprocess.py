@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +285,28 @@ def test_a_crashed_worker_rejoins_from_a_peer_while_the_others_recover(launcher:
     steps = [e["step"] for e in entries]
     jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
     assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_every_node_at_once_ends_the_job_within_seconds(launcher: Launcher,
+                                                                    tmp_path: Path) -> None:
+    """Slurm's scancel of a whole job: SIGTERM to every process of every node at once. The node
+    that hosts the store stops at once (the others cannot go on without it); the others, which
+    could each have left gracefully, see that nothing listens at the store any more and stop
+    within about a second, not after the leave grace (30 s) or the store's timeout."""
+    log = tmp_path / "progress.jsonl"
+    nodes = start_nodes(launcher, example_args(tmp_path, log, 100_000), 3)
+    wait_for(lambda: any(e["world_size"] == 3 for e in progress(log)), PHASE_TIMEOUT,
+             "training at world size 3")
+    started = time.monotonic()
+    for node in nodes:  # (each agent leads its own process group, with its workers)
+        os.killpg(node.pid, signal.SIGTERM)
+    codes = [node.wait(30) for node in nodes]
+    took = time.monotonic() - started
+    outputs = [node.output() for node in nodes]
+    assert took < 10, (took, [text[-3000:] for text in outputs])
+    assert codes[0] == 128 + signal.SIGTERM, outputs[0][-3000:]
+    assert "this node serves the rendezvous store (is_host)" in outputs[0]
+    for code, text in zip(codes[1:], outputs[1:]):
+        assert "Traceback" not in text, text[-3000:]
+        assert code == 0 or "nothing listens at 127.0.0.1:" in text, (code, text[-3000:])

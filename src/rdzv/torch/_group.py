@@ -134,6 +134,8 @@ class AgentLink:
         elif isinstance(message, Probe):
             self.send(self.where())
         elif isinstance(message, Closed):
+            if self._noticed:  # told to leave by SIGTERM, and its agent has ended: end as the
+                self._on_stop()  # signal's default action would (scancel of a whole job)
             with self._cond:
                 self._gone = True
                 self._cond.notify_all()
