@@ -79,8 +79,7 @@ def start_rdzv_server() -> tuple[subprocess.Popen, int]:
     for line in proc.stderr:
         found = re.search(r"listening on [^ ]+:(\d+)", line)
         if found:
-            stderr = proc.stderr
-            threading.Thread(target=lambda: stderr.read(), daemon=True).start()
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
             return proc, int(found.group(1))
     raise RuntimeError("the rdzv store server did not start")
 

@@ -209,7 +209,7 @@ def decode(line: bytes, types: dict[str, type]) -> Any:
     for field in dataclasses.fields(cls):
         if field.name not in data:
             if field.default is dataclasses.MISSING:
-                raise ChannelError(f"a {cls.TYPE!r} message without {field.name!r}: "
+                raise ChannelError(f"a {kind!r} message without {field.name!r}: "
                                    f"{line[:80]!r}")
             continue
         value = data[field.name]
@@ -220,7 +220,7 @@ def decode(line: bytes, types: dict[str, type]) -> Any:
                 raise ChannelError(f"unknown plan kind {value!r} on the agent channel") from None
         elif not isinstance(value, _FIELD_TYPES[str(field.type)]) or (
                 isinstance(value, bool) and str(field.type).startswith(("int", "float"))):
-            raise ChannelError(f"field {field.name!r} of a {cls.TYPE!r} message is "
+            raise ChannelError(f"field {field.name!r} of a {kind!r} message is "
                                f"{value!r}, not {field.type}")
         values[field.name] = value
     return cls(**values)

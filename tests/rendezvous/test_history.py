@@ -43,7 +43,6 @@ from rdzv.rendezvous._history_facts import (
 from rdzv.rendezvous._layout import RunKeys
 from rdzv.rendezvous._timeline import format_event, format_seconds, parse_since, short_node
 from rdzv.server import StoreServer
-from rdzv.store._tcp import TCPStore
 
 from _launcher import PYTHON
 

@@ -65,7 +65,7 @@ def plan(seed: int, until: float, every: float, kinds: tuple[str, ...]) -> list[
             return faults
         targets = [node for node in alive if stopped.get(node, 0.0) <= at]
 
-        def fits(kind: str) -> bool:
+        def fits(kind: str, targets: list[int] = targets) -> bool:  # (this round's targets)
             if kind == "join":
                 return len(alive) < MAX_NODES
             return bool(targets) and (kind not in REMOVALS or len(alive) > MIN_NODES)

@@ -162,7 +162,7 @@ def decide(records: Mapping[int, NodeRecord | None], ctx: DecideContext
     world_size = sum(len(a.local_ranks) for a in assignments.values())
     holders = _holders(full, assignments)
     receivers = world_size - len(holders)  # the fresh workers
-    new_group = {"prefix": f"rdzv-{ctx.decision_id}", "master_addr": master[0],
+    new_group: dict[str, Any] = {"prefix": f"rdzv-{ctx.decision_id}", "master_addr": master[0],
                  "master_port": master[1], "world_size": world_size}
     if not holders:
         return Decision(Kind.RECOVER, why="no worker holds the training state: the workers "

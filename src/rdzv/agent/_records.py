@@ -20,7 +20,7 @@ import enum
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ..errors import RendezvousStateError
 from ..rendezvous._status import AGENT_NODES
@@ -223,7 +223,8 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
         isinstance(s, list) and len(s) == 2 and _is_int(s[1], True) for s in slots),
         "malformed slots")
     try:
-        reports = tuple(SlotReport(SlotState(state), step) for state, step in slots)
+        reports = tuple(SlotReport(SlotState(state), step)
+                        for state, step in cast("list[list[Any]]", slots))
     except ValueError:
         raise RendezvousStateError(f"agent key {key!r}: unknown slot state") from None
     for name in ("port", "pid", "offset", "group_size", "max_nodes"):
@@ -288,7 +289,8 @@ def loads_assignment(key: str, raw: bytes) -> Assignment:
     ranks = data.get("local_ranks")
     _check(key, isinstance(data.get("master_addr"), str) and isinstance(ranks, list)
            and all(_is_int(r) for r in ranks), "malformed address or local ranks")
-    return Assignment(master_addr=data["master_addr"], local_ranks=tuple(ranks),
+    return Assignment(master_addr=data["master_addr"],
+                      local_ranks=tuple(cast("list[int]", ranks)),
                       **{name: data[name] for name in names})
 
 

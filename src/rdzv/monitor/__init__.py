@@ -14,13 +14,17 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from ._cli import DEFAULT_HOST, monitor_run, monitor_store_server, parse_web_address
-    from ._http import MonitorServer
-    from ._prometheus import MonitorCollector, require_prometheus
-    from ..errors import SourceUnavailable
-    from ._source import RunSource
-    from ._prometheus import RunTotals
+if TYPE_CHECKING:  # (the names a type checker sees; at run time they load on first use)
+    from ..errors import SourceUnavailable as SourceUnavailable
+    from ._cli import DEFAULT_HOST as DEFAULT_HOST
+    from ._cli import monitor_run as monitor_run
+    from ._cli import monitor_store_server as monitor_store_server
+    from ._cli import parse_web_address as parse_web_address
+    from ._http import MonitorServer as MonitorServer
+    from ._prometheus import MonitorCollector as MonitorCollector
+    from ._prometheus import RunTotals as RunTotals
+    from ._prometheus import require_prometheus as require_prometheus
+    from ._source import RunSource as RunSource
 
 _EXPORTS = {
     **{name: "._cli" for name in (

@@ -159,5 +159,8 @@ def gather_holdings(step: int, fresh: bool, digest: tuple[int, int, int],
                         device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return [Holding(int(t[0]), bool(t[1]), tuple(int(v) & MASK for v in t[2:].tolist()))
-            for t in (t.cpu() for t in everyone)]  # type: ignore[misc]
+    holdings = []
+    for row in (t.cpu().tolist() for t in everyone):
+        step, fresh_flag, d0, d1, d2 = (int(v) for v in row)
+        holdings.append(Holding(step, bool(fresh_flag), (d0 & MASK, d1 & MASK, d2 & MASK)))
+    return holdings

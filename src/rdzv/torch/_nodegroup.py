@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from ..errors import RendezvousParameterError
 from ._group import SwitchError, entering_hooks, group_options
 
 _c10d = torch._C._distributed_c10d  # type: ignore[attr-defined]
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 
 def local_world() -> tuple[int, int]:
@@ -45,7 +49,7 @@ def local_world() -> tuple[int, int]:
 class NodeGroup:
     """This node's workers as one process group (see the module's docstring)."""
 
-    NAME = "rdzv-node"
+    NAME = cast("GroupName", "rdzv-node")
 
     def __init__(self, backend: str, device_type: str, timeout: timedelta) -> None:
         self.local_rank, self.size = local_world()
@@ -57,8 +61,10 @@ class NodeGroup:
         node = dist.get_rank() // self.size
         store = dist.PrefixStore(f"rdzv-node/{node}/", dist.distributed_c10d._get_default_store())
         self.pg = _c10d.ProcessGroup(store, self.local_rank, self.size)
-        if backend == "nccl":
-            made = _c10d.ProcessGroupNCCL(store, self.local_rank, self.size)
+        made: Any
+        if backend == "nccl":  # (torch's stub asks for options; its constructor has defaults)
+            made = _c10d.ProcessGroupNCCL(  # type: ignore[call-arg]
+                store, self.local_rank, self.size)
             kind = _c10d.ProcessGroup.BackendType.NCCL
         else:
             made = _c10d.ProcessGroupGloo(store, self.local_rank, self.size, timeout)

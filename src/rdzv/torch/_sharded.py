@@ -98,7 +98,7 @@ class Sharded:
             return
         error: BaseException | None = None
         try:
-            self._all_reduce([p.grad.to_local() for p in self.params  # type: ignore[union-attr]
+            self._all_reduce([p.grad.to_local() for p in self.params  # type: ignore[attr-defined]
                               if p.grad is not None])
         except Exception as exc:  # the replica group failed: the node must not apply the step
             error = exc
