@@ -96,22 +96,18 @@ def serve(args: argparse.Namespace) -> int:
     """Run the server in the foreground; the exit status (0 after a signal)."""
     from ..errors import RendezvousError
     from ..server import StoreServer
-    from ..server._auth import SECRET_ENV, read_secret_file, secret_from_env
+    from ..server._auth import SECRET_ENV, shared_secret
 
     if args.web_secret_file is not None and args.web is None:
         print("rdzv serve: error: --web-secret-file goes with --web", file=sys.stderr)
         return 2
-    secret: bytes | None
-    if args.secret_file is not None:
-        try:
-            secret = read_secret_file(args.secret_file)
-        except (OSError, ValueError) as exc:
-            print(f"rdzv serve: cannot read the secret file: {exc}", file=sys.stderr)
-            return 2
-    else:
-        secret = secret_from_env()
-        if secret is not None:
-            log.info("using the shared secret from $%s", SECRET_ENV)
+    try:
+        secret = shared_secret(args.secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"rdzv serve: cannot read the secret file: {exc}", file=sys.stderr)
+        return 2
+    if secret is not None and args.secret_file is None:
+        log.info("using the shared secret from $%s", SECRET_ENV)
     monitor = None
     try:
         server = StoreServer(

@@ -125,14 +125,13 @@ def monitor_run(params: "RendezvousParameters", address: tuple[str, int],
     else by its store's shared secret, resolved as the store client does (tcp: ``secret_file=``,
     else ``$RDZV_STORE_SECRET``)."""
     from ..rendezvous._status import open_store
-    from ..server._auth import read_secret_file, secret_from_env
+    from ..server._auth import shared_secret
     from ._http import MonitorServer
     from ._source import RunSource
 
     store_secret = None
     if params.backend in ("tcp", "c10d"):
-        secret_file = params.get_option("secret_file")
-        store_secret = read_secret_file(secret_file) if secret_file else secret_from_env()
+        store_secret = shared_secret(params.get_option("secret_file"))
     password = page_secret(address, store_secret, web_secret_file)
     source = RunSource(lambda: open_store(params), run_id=params.run_id,
                        where=f"{params.backend} {params.endpoint}")

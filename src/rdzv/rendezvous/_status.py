@@ -271,14 +271,13 @@ def open_store(params: RendezvousParameters) -> Store:
         return FileStore(store_path(params.endpoint, params.run_id),
                          timeout=params.get_option("read_timeout"))
     if params.backend in ("tcp", "c10d"):
-        from ..server._auth import read_secret_file
+        from ..server._auth import shared_secret
         from ..store._tcp import TCPStore
         from ._tcp import split_endpoint
 
         host, port = split_endpoint(params.endpoint)
-        secret_file = params.get_option("secret_file")
         return TCPStore(host, port, is_master=False, timeout=params.get_option("read_timeout"),
-                        secret=read_secret_file(secret_file) if secret_file else None)
+                        secret=shared_secret(params.get_option("secret_file")))
     if params.backend == "memory":
         from ._memory import shared_store
 

@@ -68,8 +68,7 @@ def open_store(params: RendezvousParameters) -> tuple[TCPStore, bool, Callable[[
     Returns (store, whether this node hosts the server, a factory of further clients).
     """
     host, port = split_endpoint(params.endpoint)
-    secret_file = params.get_option("secret_file")
-    secret = _auth.read_secret_file(secret_file) if secret_file else None
+    secret = _auth.shared_secret(params.get_option("secret_file"))
     options = dict(
         timeout=params.get_option("read_timeout"),
         secret=secret,

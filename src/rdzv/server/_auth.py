@@ -38,6 +38,14 @@ def secret_from_env() -> bytes | None:
     return normalize_secret(os.environ.get(SECRET_ENV))
 
 
+def shared_secret(secret_file: str | os.PathLike | None) -> bytes | None:
+    """The one rule for a store's shared secret: the one in ``secret_file`` if it is given
+    (``--secret-file``, the tcp backend's ``secret_file=``), else ``$RDZV_STORE_SECRET``, else
+    none (no authentication). OSError or ValueError for a file that cannot be read or is
+    empty."""
+    return read_secret_file(secret_file) if secret_file else secret_from_env()
+
+
 def read_secret_file(path: str | os.PathLike) -> bytes:
     """The secret stored in a file (a trailing newline is not part of it)."""
     with open(path, "rb") as f:
