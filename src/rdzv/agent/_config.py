@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from .._address import parse_endpoint
 from .._messages import PROGRESS_EVERY
 from ..errors import RendezvousParameterError
+from ..rendezvous import canonical_backend
 from ..rendezvous._params import backend_spec
 from ._environment import derive
 from ._slurm import SlurmError
@@ -345,9 +346,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         derived_conf = _from_environment(values, env)
     min_nodes, max_nodes = parse_nnodes(raw("nnodes"), source("nnodes"))
     nproc = parse_nproc(raw("nproc_per_node"), source("nproc_per_node"))
-    backend = str(raw("rdzv_backend")).strip().lower()
-    if backend == "c10d":
-        backend = "tcp"
+    backend = canonical_backend(str(raw("rdzv_backend")))
     endpoint = str(raw("rdzv_endpoint")).strip()
     run_id = str(raw("rdzv_id")).strip()
     conf = parse_rdzv_conf(raw("rdzv_conf"), source("rdzv_conf"))

@@ -82,7 +82,7 @@ def unreachable(config: LaunchConfig, exc: RendezvousError) -> str:
         causes = f"etcd is not running at {config.rdzv_endpoint}, or a firewall drops the port"
         todo = ("start etcd there (see docs/etcd.md), or check --rdzv-endpoint; without etcd, "
                 "`rdzv serve` and --rdzv-backend tcp")
-    elif config.rdzv_backend in ("tcp", "c10d"):
+    elif config.rdzv_backend == "tcp":  # (canonical: config_from_args named it)
         causes = ("no store server listens there: a wrong host or port in --rdzv-endpoint; the "
                   "node that hosted the store (is_host) has exited, taking the store with it; or "
                   "a firewall")

@@ -33,6 +33,8 @@ import logging
 import subprocess
 from typing import Callable, Mapping, Sequence
 
+from ..rendezvous import canonical_backend
+
 logger = logging.getLogger(__name__)
 
 BASE_PORT = 27000
@@ -121,7 +123,7 @@ def derive(env: Mapping[str, str], given: Mapping[str, str | None],
     run_id = given.get("rdzv_id")
     joining = run_id is not None and run_id != job_id  # another job's run, or a named one
     need_endpoint = given.get("rdzv_endpoint") is None and \
-        (given.get("rdzv_backend") or "tcp").lower() in ("tcp", "c10d")
+        canonical_backend(given.get("rdzv_backend") or "tcp") == "tcp"
     if joining and need_endpoint and not run_id.isdigit():  # type: ignore[union-attr]
         raise SlurmError(f"the run id {run_id!r} names no Slurm job, so its store is unknown: "
                          "give --rdzv-endpoint HOST:PORT too, or leave out --rdzv-id (the run "

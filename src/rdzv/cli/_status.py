@@ -70,7 +70,7 @@ def _say(text: str) -> None:
 
 def _parameters(args: argparse.Namespace) -> Any:
     from ..agent._config import ConfigError, parse_rdzv_conf
-    from ..rendezvous import RendezvousParameters, parse_rendezvous_url
+    from ..rendezvous import RendezvousParameters, canonical_backend, parse_rendezvous_url
 
     if args.url:
         if args.rdzv_id or args.rdzv_endpoint or args.rdzv_conf:
@@ -89,7 +89,7 @@ def _parameters(args: argparse.Namespace) -> Any:
         conf = parse_rdzv_conf(args.rdzv_conf)
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
-    backend = "tcp" if args.rdzv_backend == "c10d" else args.rdzv_backend
+    backend = canonical_backend(args.rdzv_backend)
     conf.setdefault("read_timeout", STORE_TIMEOUT)
     return RendezvousParameters(backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, **conf)
 

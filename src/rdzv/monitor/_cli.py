@@ -124,13 +124,14 @@ def monitor_run(params: "RendezvousParameters", address: tuple[str, int],
     """A started monitor of the run of ``params``, guarded by the secret of ``web_secret_file``,
     else by its store's shared secret, resolved as the store client does (tcp: ``secret_file=``,
     else ``$RDZV_STORE_SECRET``)."""
+    from ..rendezvous import canonical_backend
     from ..rendezvous._status import open_store
     from ..server._auth import shared_secret
     from ._http import MonitorServer
     from ._source import RunSource
 
     store_secret = None
-    if params.backend in ("tcp", "c10d"):
+    if canonical_backend(params.backend) == "tcp":
         store_secret = shared_secret(params.get_option("secret_file"))
     password = page_secret(address, store_secret, web_secret_file)
     source = RunSource(lambda: open_store(params), run_id=params.run_id,

@@ -39,6 +39,7 @@ from ._registry import (
     parse_rendezvous_url,
     rendezvous_url,
 )
+from ._params import canonical_backend
 from ._timeline import format_event
 from ._views import MembershipView, RoundChanges
 
@@ -66,6 +67,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RoundChanges",
     "RunEvent",
+    "canonical_backend",
     "format_event",
     "get_rendezvous_handler",
     "handler_registry",

@@ -163,6 +163,16 @@ _TCP = BackendSpec(
     default_port=29400,
 )
 
+BACKEND_ALIASES: dict[str, str] = {"c10d": "tcp"}
+"""Other names of built-in backends: torch's ``c10d`` is rdzv's ``tcp``."""
+
+
+def canonical_backend(name: str) -> str:
+    """The backend ``name`` stands for, as rdzv names it (``c10d`` -> ``tcp``), lowercased."""
+    name = name.strip().lower()
+    return BACKEND_ALIASES.get(name, name)
+
+
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (

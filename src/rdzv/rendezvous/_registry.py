@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 from .._address import parse_endpoint
 from ..errors import RendezvousBackendError, RendezvousParameterError
 from ._api import RendezvousHandler, RendezvousParameters
-from ._params import RENAMED_PARAMETERS, backend_spec
+from ._params import BACKEND_ALIASES, RENAMED_PARAMETERS, backend_spec
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +30,16 @@ RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 
 ENTRY_POINT_GROUP = "rdzv.rendezvous_backends"
 
-BUILTIN_BACKENDS: Mapping[str, str] = {
+_CREATORS = {
     "tcp": "rdzv.rendezvous._tcp:create_handler",
-    "c10d": "rdzv.rendezvous._tcp:create_handler",
     "file": "rdzv.rendezvous._file:create_handler",
     "memory": "rdzv.rendezvous._memory:create_handler",
     "static": "rdzv.rendezvous._static:create_handler",
     "etcd": "rdzv.rendezvous._etcd:create_handler",
 }
-"""The backends rdzv ships, by the module path of their handler creator."""
+BUILTIN_BACKENDS: Mapping[str, str] = {
+    **_CREATORS, **{alias: _CREATORS[name] for alias, name in BACKEND_ALIASES.items()}}
+"""The backends rdzv ships (and their aliases), by the module path of their handler creator."""
 
 _Entry = Union[RendezvousHandlerCreator, str]
 

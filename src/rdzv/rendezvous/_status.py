@@ -18,6 +18,7 @@ from ..errors import RendezvousStateError
 from ..store import Store
 from ._api import RendezvousParameters
 from ._layout import ROOT, RunKeys, decode_int, decode_rank, decode_status
+from ._params import canonical_backend
 
 AGENT_NODES = "agent/node/"
 """Where each agent describes itself in its round's store (one key per group rank)."""
@@ -270,7 +271,7 @@ def open_store(params: RendezvousParameters) -> Store:
 
         return FileStore(store_path(params.endpoint, params.run_id),
                          timeout=params.get_option("read_timeout"))
-    if params.backend in ("tcp", "c10d"):
+    if canonical_backend(params.backend) == "tcp":
         from ..server._auth import shared_secret
         from ..store._tcp import TCPStore
         from ._tcp import split_endpoint
