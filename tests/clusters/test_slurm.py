@@ -162,11 +162,11 @@ def test_allocations_join_leave_requeue_and_die_in_process(cluster: Cluster,
                           env=secret, script=[*train, "--progress", str(path)])
     jobs = [main]
 
-    def world(size: int, after: int, what: str) -> int:
+    def world(size: int, after: int, what: str, within: float = 60) -> int:
         """The step at which rank 0 trains with ``size`` workers, after step ``after``."""
         return eventually(lambda: next((row["step"] for row in progress(path)
                                         if row["step"] > after and row["world_size"] == size),
-                                       None), 60, what)
+                                       None), within, what)
 
     try:
         start = world(2, 5, "the 2-node job training")
@@ -179,7 +179,8 @@ def test_allocations_join_leave_requeue_and_die_in_process(cluster: Cluster,
         # leaves gracefully within its grace time; the script requeues it (scontrol requeue)
         jobs.append(cluster.sbatch("-N1", "-o", "/dev/null", cwd=tmp_path, wrap="sleep 2"))
         preempted = world(2, joined, "the preempted allocation gone")
-        back = world(3, preempted, "the preempted allocation back as a newcomer")
+        # (a requeued job waits cred_expire-derived seconds, then the scheduler's next look)
+        back = world(3, preempted, "the preempted allocation back as a newcomer", within=120)
         assert cluster.job(other)["Restarts"] == "1"
         cluster.command("scancel", other)
         cancelled = world(2, back, "the cancelled allocation gone")
