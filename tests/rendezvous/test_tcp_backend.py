@@ -203,8 +203,9 @@ def test_a_membership_poll_without_a_change_is_one_watch_request(server):
         after = server.metrics().requests
         grew = {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
         # the node's history, released by the first call, may write its batch meanwhile: a
-        # multi_set and one count_keys (a read of the round would be 3 counts and its gets)
+        # multi_set then one count_keys, the first of which may land before the snapshot (a
+        # read of the round would be 3 counts and its gets)
         history = grew.pop("multi_set", 0)
-        assert grew.pop("count_keys", 0) <= history and grew == {"watch": 5}, (history, grew)
+        assert grew.pop("count_keys", 0) <= history + 1 and grew == {"watch": 5}, (history, grew)
     finally:
         cluster.close()

@@ -139,7 +139,8 @@ def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
     assert steps == list(range(steps[0], 701)), steps  # each step once: nothing redone
     slowed = entries[steps.index(80)]["time"]
     flagged = events(port, "straggler_flagged")
-    assert len(flagged) == 1 and flagged[0]["time"] - slowed < 30, (flagged, slowed)
+    # ~10 s (3 slow samples in a row) on a quiet machine; a loaded one breaks streaks
+    assert len(flagged) == 1 and 0 < flagged[0]["time"] - slowed < 60, (flagged, slowed)
     assert "asked to leave (a straggler" in slow.output(), outputs
     assert "joined a running job" in spare.output(), outputs
     assert "restarting" not in healthy.output(), outputs  # in-process: one worker all along
