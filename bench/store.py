@@ -236,7 +236,7 @@ def flood_process(port: int, conns: int, depth: int) -> None:
     process's stdin closes; prints ``flooding`` once all are connected, then the answers read."""
     import select
 
-    from rdzv.server import protocol as P
+    from rdzv.kv import protocol as P
 
     from rdzv.store import TCPStore
 

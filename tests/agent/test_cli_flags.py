@@ -47,9 +47,9 @@ def test_python_dash_m_entry_points_give_the_same_hints() -> None:
     assert run.returncode == 2
     assert ("python -m rdzv.run: error: unrecognized arguments: --nproc-per-nod; "
             "did you mean --nproc-per-node?") in run.stderr
-    serve = rdzv_cli("--prot", "0", module="rdzv.server", timeout=60)
+    serve = rdzv_cli("serve", "--prot", "0", module="rdzv", timeout=60)
     assert serve.returncode == 2
-    assert ("python -m rdzv.server: error: unrecognized arguments: --prot 0; "
+    assert ("rdzv serve: error: unrecognized arguments: --prot 0; "
             "did you mean --port?") in serve.stderr
 
 

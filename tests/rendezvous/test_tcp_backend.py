@@ -19,7 +19,7 @@ from rendezvous_contract import AT_ONCE, RendezvousContract, check_round, form
 
 from rdzv.rendezvous import get_rendezvous_handler
 from rdzv.server import StoreServer
-from rdzv.server import protocol as P
+from rdzv.kv import protocol as P
 from rdzv.store._tcp import TCPStore
 
 SERVER_SCRIPT = (

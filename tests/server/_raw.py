@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from rdzv.server import _auth
-from rdzv.server import protocol as P
+from rdzv.kv import auth
+from rdzv.kv import protocol as P
 from _waiting import eventually as wait_until  # noqa: F401 (re-exported to the tests)
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
@@ -54,7 +54,7 @@ class Raw:
         self.send(P.encode_hello(ttl, resume, token, nonce, secret is not None))
         challenge = P.decode_challenge(self.frame())
         assert challenge.status == P.HS_OK, challenge
-        mac = _auth.client_proof(secret, nonce, challenge.nonce) if secret else b""
+        mac = auth.client_proof(secret, nonce, challenge.nonce) if secret else b""
         self.send(P.encode_auth(mac))
         welcome = P.decode_welcome(self.frame())
         self.session = welcome.session
@@ -91,9 +91,9 @@ def python_env() -> dict[str, str]:
 
 
 def start_server_process(*args: str, port: int = 0, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
-    """``python -m rdzv.server`` in a child process; (process, port) once it listens."""
+    """``python -m rdzv serve`` in a child process; (process, port) once it listens."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rdzv.server", "--host", "127.0.0.1", "--port", str(port), *args],
+        [sys.executable, "-m", "rdzv", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
         stderr=subprocess.PIPE,
         text=True,
         env=env or python_env(),

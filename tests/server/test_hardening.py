@@ -15,7 +15,7 @@ import pytest
 
 from rdzv.errors import StoreError
 from rdzv.server import StoreServer
-from rdzv.server import protocol as P
+from rdzv.kv import protocol as P
 from rdzv.store import TCPStore
 
 

@@ -11,7 +11,7 @@ from _raw import Raw, start_server_process
 
 from rdzv.errors import SessionExpiredError, StoreUnsupportedError, StoreValueError
 from rdzv.server import StoreServer
-from rdzv.server import protocol as P
+from rdzv.kv import protocol as P
 from rdzv.store import TCPStore
 from rdzv.store._tcp import MAX_UNACKED_WRITES
 

@@ -1,5 +1,5 @@
 """The server with real client processes: killed, stopped and many clients; a durable server
-SIGKILLed and restarted as a real ``python -m rdzv.server`` process."""
+SIGKILLed and restarted as a real ``python -m rdzv serve`` process."""
 
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def test_serve_secret_file_and_bad_options(tmp_path: object) -> None:
         server.terminate()
         server.wait()
     missing = subprocess.run(
-        [sys.executable, "-m", "rdzv.server", "--port", "0", "--secret-file", secret_file + ".nope"],
+        [sys.executable, "-m", "rdzv", "serve", "--port", "0", "--secret-file", secret_file + ".nope"],
         capture_output=True,
         text=True,
         env=python_env(),
@@ -222,7 +222,7 @@ def test_second_server_on_the_same_data_dir_is_refused(tmp_path: object) -> None
     server, _ = start_server_process("--data-dir", data_dir)
     try:
         second = subprocess.run(
-            [sys.executable, "-m", "rdzv.server", "--port", "0", "--data-dir", data_dir],
+            [sys.executable, "-m", "rdzv", "serve", "--port", "0", "--data-dir", data_dir],
             capture_output=True,
             text=True,
             env=python_env(),

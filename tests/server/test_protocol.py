@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from rdzv.errors import StoreProtocolError
-from rdzv.server import protocol as P
+from rdzv.kv import protocol as P
 
 REQUESTS = [
     (P.encode_ping(1), P.OP_PING, ()),
@@ -198,3 +198,12 @@ def test_wait_ms_rounds_up_and_clamps() -> None:
     assert P.wait_ms(0.0001) == 1
     assert P.wait_ms(1.5) == 1500
     assert P.wait_ms(1e12) == P.MAX_WAIT_MS
+
+
+def test_the_protocol_keeps_its_first_import_path() -> None:
+    """Code written against ``rdzv.server.protocol`` still imports it (it lives in ``rdzv.kv``)."""
+    import rdzv.server.protocol as first_name
+    from rdzv.server import protocol as by_package
+
+    assert first_name.encode_ping is P.encode_ping and by_package is first_name
+    assert first_name.PROTOCOL_VERSION == P.PROTOCOL_VERSION

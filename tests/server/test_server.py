@@ -21,7 +21,7 @@ from rdzv.errors import (
     StoreValueError,
 )
 from rdzv.server import StoreServer
-from rdzv.server import protocol as P
+from rdzv.kv import protocol as P
 from rdzv.store import TCPStore
 
 

@@ -19,7 +19,7 @@ import pytest
 from rdzv.errors import RendezvousStateError, StoreError, StoreValueError
 from rdzv.server._wal import WriteAheadLog
 from rdzv.server._wal_format import SessionRequest
-from rdzv.store._state import Delete, KVState, Put, SessionClose, SessionOpen
+from rdzv.kv import Delete, KVState, Put, SessionClose, SessionOpen
 
 LOG_0 = "wal-0000000000000000.log"
 

@@ -28,7 +28,7 @@ def _positive_size(text: str) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..monitor._cli import add_web_flag
     from ..server._budget import DEFAULT_MEMORY_BUDGET
-    from ..server.protocol import DEFAULT_MAX_FRAME_SIZE
+    from ..server import DEFAULT_MAX_FRAME_SIZE
 
     parser = subparsers.add_parser(
         "serve",
@@ -96,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
     """Run the server in the foreground; the exit status (0 after a signal)."""
     from ..errors import RendezvousError
     from ..server import StoreServer
-    from ..server._auth import SECRET_ENV, shared_secret
+    from ..kv.auth import SECRET_ENV, shared_secret
 
     if args.web_secret_file is not None and args.web is None:
         print("rdzv serve: error: --web-secret-file goes with --web", file=sys.stderr)
@@ -134,21 +134,3 @@ def serve(args: argparse.Namespace) -> int:
     log.info("store server stopped")
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m rdzv.server``: the same as ``rdzv serve``."""
-    from ._hints import HintingParser, parse_command_line
-
-    parser = HintingParser(prog="python -m rdzv.server")
-    sub = parser.add_subparsers(dest="command")
-    register(sub)
-    sub.choices["serve"].prog = parser.prog  # its usage and errors: the command as typed
-    args = parse_command_line(parser, ["serve", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return args.func(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

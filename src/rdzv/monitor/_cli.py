@@ -57,7 +57,7 @@ def page_secret(address: tuple[str, int], store_secret: bytes | None,
                 web_secret_file: str | None) -> bytes | None:
     """The page's password: the secret in ``web_secret_file`` if given, else the store's; an
     error if neither and the page would listen beyond this machine."""
-    from ..server._auth import read_secret_file
+    from ..kv.auth import read_secret_file
 
     if web_secret_file is not None:
         try:
@@ -126,7 +126,7 @@ def monitor_run(params: "RendezvousParameters", address: tuple[str, int],
     else ``$RDZV_STORE_SECRET``)."""
     from ..rendezvous import canonical_backend
     from ..rendezvous._status import open_store
-    from ..server._auth import shared_secret
+    from ..kv.auth import shared_secret
     from ._http import MonitorServer
     from ._source import RunSource
 

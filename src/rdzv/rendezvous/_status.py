@@ -272,7 +272,7 @@ def open_store(params: RendezvousParameters) -> Store:
         return FileStore(store_path(params.endpoint, params.run_id),
                          timeout=params.get_option("read_timeout"))
     if canonical_backend(params.backend) == "tcp":
-        from ..server._auth import shared_secret
+        from ..kv.auth import shared_secret
         from ..store._tcp import TCPStore
         from ._tcp import split_endpoint
 

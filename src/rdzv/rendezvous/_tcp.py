@@ -21,7 +21,7 @@ from typing import Callable
 
 from .._address import parse_endpoint
 from ..errors import StoreConnectionError
-from ..server import _auth
+from ..kv import auth
 from ..store._tcp import TCPStore
 from ._api import RendezvousParameters
 from ._backend import dynamic_handler
@@ -68,7 +68,7 @@ def open_store(params: RendezvousParameters) -> tuple[TCPStore, bool, Callable[[
     Returns (store, whether this node hosts the server, a factory of further clients).
     """
     host, port = split_endpoint(params.endpoint)
-    secret = _auth.shared_secret(params.get_option("secret_file"))
+    secret = auth.shared_secret(params.get_option("secret_file"))
     options = dict(
         timeout=params.get_option("read_timeout"),
         secret=secret,

@@ -1,15 +1,15 @@
 """The rdzv store server: the store served over TCP (``rdzv serve``, or embedded in a process).
 
 :class:`StoreServer` serves a store to :class:`rdzv.TCPStore` clients over the protocol in
-:mod:`rdzv.server.protocol` (specified in ``docs/protocol.md``). The server is imported on
-first use, so that clients importing the protocol stay light.
+:mod:`rdzv.kv.protocol` (specified in ``docs/protocol.md``; :mod:`rdzv.server.protocol` names it
+too). The server is imported on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .protocol import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_VERSION
+from ..kv.protocol import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from ._server import StoreServer

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Union
 
-from . import protocol as P
+from ..kv import protocol as P
 from ._budget import TRACK_MIN
 from ._greeting import Greeting
 

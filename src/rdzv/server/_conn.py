@@ -24,7 +24,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Union
 
 from ..errors import StoreValueError
-from . import protocol as P
+from ..kv import protocol as P
 from ._accounting import Accounting
 from ._budget import TRACK_MIN
 from ._greeting import HANDSHAKE_TIMEOUT, READY

@@ -1,6 +1,6 @@
 """The server's state on the event loop: data, sessions and their expiry, committing.
 
-:class:`Core` owns the :class:`~rdzv.store._state.KVState`, the sessions (attached to
+:class:`Core` owns the :class:`~rdzv.kv.KVState`, the sessions (attached to
 connections, expired when not resumed after a restart) and the commit step that runs at the end
 of every round of the loop: it makes the round's changes durable in the write-ahead log (one
 flush for all of them), then sends every connection's answers (one send each). With the request
@@ -16,9 +16,7 @@ import secrets
 import socket
 from typing import Any, Callable
 
-from ..store._base import DEFAULT_SESSION_TTL
-from ..store._state import KVState
-from . import protocol as P
+from ..kv import DEFAULT_SESSION_TTL, KVState, protocol as P
 from ._accounting import Accounting
 from ._budget import MemoryBudget, return_freed_memory
 from ._conn import Conn

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import StoreValueError
-from . import protocol as P
+from ..kv import protocol as P
 from ._waiters import Waiter, Waiters
 
 if TYPE_CHECKING:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, cast
 
-from . import _auth
-from . import protocol as P
+from ..kv import auth, protocol as P
 
 if TYPE_CHECKING:
     from ._conn import Conn
@@ -75,7 +74,7 @@ class Greeting:
                 self.drop(msg, P.encode_challenge(P.HS_VERSION_MISMATCH, False, message=msg))
                 return
             self.hello = hello
-            self.server_nonce = _auth.new_nonce(P.NONCE_SIZE)
+            self.server_nonce = auth.new_nonce(P.NONCE_SIZE)
             self.phase = 1
             self.queue(P.encode_challenge(P.HS_OK, core.secret is not None, self.server_nonce))
             return
@@ -88,8 +87,8 @@ class Greeting:
             return
         proof = b""
         if core.secret is not None:
-            expected = _auth.client_proof(core.secret, greeted.nonce, self.server_nonce)
-            if not mac or not _auth.verify(expected, mac):
+            expected = auth.client_proof(core.secret, greeted.nonce, self.server_nonce)
+            if not mac or not auth.verify(expected, mac):
                 why = (
                     "the server requires a shared secret and the client sent none"
                     if not mac
@@ -100,7 +99,7 @@ class Greeting:
                     P.encode_welcome(P.HS_AUTH_FAILED, message=f"authentication failed: {why}"),
                 )
                 return
-            proof = _auth.server_proof(core.secret, greeted.nonce, self.server_nonce)
+            proof = auth.server_proof(core.secret, greeted.nonce, self.server_nonce)
         sess, resumed = core.attach_session(cast("Conn", self), greeted)
         self.session = sess
         self.ttl = greeted.ttl

@@ -1,6 +1,6 @@
 """StoreServer: the store served over TCP by the server's own epoll event loop (:mod:`._loop`).
 
-One thread runs the loop; the data lives in a :class:`~rdzv.store._state.KVState`. Every request
+One thread runs the loop; the data lives in a :class:`~rdzv.kv.KVState`. Every request
 is answered from memory without blocking the loop. Blocking reads (get, wait, multi_get) and
 watches that cannot be answered at once become *waiters*, registered under the paths they care
 about and answered the moment a write touches one of them (or when their wait runs out).
@@ -23,9 +23,7 @@ from typing import Any
 
 from .._address import check_host, check_port, port_taken
 from ..errors import StoreError
-from ..store._state import KVState
-from . import _auth
-from . import protocol as P
+from ..kv import KVState, auth, protocol as P
 from ._budget import DEFAULT_MEMORY_BUDGET, resident_bytes, return_freed_memory
 from ._core import Core
 from ._loop import EPOLLIN, EventLoop
@@ -134,7 +132,7 @@ class StoreServer:
         host: str | None = "127.0.0.1",
         port: int = 0,
         *,
-        secret: _auth.Secret = None,
+        secret: auth.Secret = None,
         data_dir: str | os.PathLike | None = None,
         fsync: str = "always",
         max_frame_size: int = P.DEFAULT_MAX_FRAME_SIZE,
@@ -151,7 +149,7 @@ class StoreServer:
             raise ValueError(f"max_frame_size must be between 1 KiB and 4 GiB, not {max_frame_size}")
         self.host = host
         self._port = port
-        self._secret = _auth.normalize_secret(secret)
+        self._secret = auth.normalize_secret(secret)
         self._data_dir = data_dir
         self._fsync = fsync
         self._max_frame_size = max_frame_size

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..store._base import dir_paths
-from ..store._state import KVState
-from . import protocol as P
+from ..kv import KVState, dir_paths, protocol as P
 
 if TYPE_CHECKING:
     from ._conn import Conn

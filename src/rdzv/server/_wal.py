@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import RendezvousStateError, StoreError, StoreValueError
-from ..store._state import KVState, SessionClose
+from ..kv import KVState, SessionClose
 from ._metrics import FSYNC_BUCKETS, Histogram
 from ._wal_format import (
     FILE_HEADER_SIZE,

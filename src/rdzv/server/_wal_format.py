@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple, Union
 
 from ..errors import RendezvousStateError, StoreError
-from ..store._state import Delete, Effect, KVState, Put, SessionClose, SessionOpen
+from ..kv import Delete, Effect, KVState, Put, SessionClose, SessionOpen
 
 FORMAT_VERSION = 3
 """The version of the file format written (2 added SessionRequest records, 3 the sessions'

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports
+from ..kv import DEFAULT_SESSION_TTL
 from ._base import (
-    DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
     Reads,
     Store,

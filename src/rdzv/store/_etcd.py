@@ -26,8 +26,8 @@ from ..etcd._client import (
 )
 from ..etcd._lease import EtcdLease
 from ..etcd._options import EtcdOptions
+from ..kv import DEFAULT_SESSION_TTL, compare_set_result, parse_counter
 from ._base import (
-    DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
     Conditions,
     Reads,
@@ -37,12 +37,10 @@ from ._base import (
     Value,
     check_conditional_write,
     check_key,
-    compare_set_result,
     timeout_error,
     to_bytes,
     to_seconds,
 )
-from ._state import parse_counter
 
 logger = logging.getLogger(__name__)
 

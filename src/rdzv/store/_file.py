@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from ..errors import SessionExpiredError, StoreConnectionError, StoreError, StoreTimeoutError
+from ..kv import DEFAULT_SESSION_TTL, KVState, SessionOpen
 from ._base import (
-    DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
     Conditions,
     Store,
@@ -55,7 +55,6 @@ from ._filesession import (
     sessions_dir,
     start_heartbeat,
 )
-from ._state import KVState, SessionOpen
 
 logger = logging.getLogger(__name__)
 

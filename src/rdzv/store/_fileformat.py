@@ -14,7 +14,7 @@ import zlib
 from typing import NamedTuple, Sequence, Union
 
 from ..errors import RendezvousStateError
-from ._state import Delete, Effect, KVState, Put, SessionClose, SessionOpen
+from ..kv import Delete, Effect, KVState, Put, SessionClose, SessionOpen
 
 MAGIC = b"RDZVFILE"
 VERSION = 1

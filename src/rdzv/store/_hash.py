@@ -24,7 +24,7 @@ from ._base import (
     to_bytes,
     to_seconds,
 )
-from ._state import KVState
+from ..kv import KVState
 
 
 class _Shared:

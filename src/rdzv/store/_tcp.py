@@ -41,10 +41,8 @@ from ..errors import (
     StoreUnsupportedError,
     StoreValueError,
 )
-from ..server import _auth
-from ..server import protocol as P
+from ..kv import DEFAULT_SESSION_TTL, auth, protocol as P
 from ._base import (
-    DEFAULT_SESSION_TTL,
     DEFAULT_TIMEOUT,
     Conditions,
     Reads,
@@ -125,7 +123,7 @@ class TCPStore(BlockingCalls):
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
         *,
-        secret: _auth.Secret = None,
+        secret: auth.Secret = None,
         session_ttl: float = DEFAULT_SESSION_TTL,
     ) -> None:
         super().__init__(timeout)

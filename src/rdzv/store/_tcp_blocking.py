@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from ..errors import StoreProtocolError
-from ..server import protocol as P
+from ..kv import protocol as P
 from ._base import Store, Timeout, check_key, timeout_error, to_seconds
 from ._tcp_conn import StoreConnection, log
 

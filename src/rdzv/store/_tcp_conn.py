@@ -29,8 +29,7 @@ from ..errors import (
     StoreProtocolError,
     StoreValueError,
 )
-from ..server import _auth
-from ..server import protocol as P
+from ..kv import auth, protocol as P
 from ._tcp_handshake import HANDSHAKE_TIMEOUT, ClientHandshake, _ConnectionLost
 
 log = logging.getLogger("rdzv.store.tcp")
@@ -68,12 +67,12 @@ class StoreConnection(ClientHandshake):
     """The store's timeout in seconds (set by :class:`~rdzv.store.Store`)."""
 
     def _init_connection(
-        self, host_name: str, port: int, secret: _auth.Secret, session_ttl: float
+        self, host_name: str, port: int, secret: auth.Secret, session_ttl: float
     ) -> None:
         """Set up (not yet open) the connection to ``host_name:port``."""
         self._host = host_name
         self._port = int(port)
-        self._secret = _auth.normalize_secret(secret) if secret is not None else _auth.secret_from_env()
+        self._secret = auth.normalize_secret(secret) if secret is not None else auth.secret_from_env()
         self._ttl = session_ttl
         self._ping_every = session_ttl / 3.0 if session_ttl > 0 else 60.0
         # How long to wait for any answer before taking the server for dead (and reconnecting):
@@ -170,7 +169,7 @@ class StoreConnection(ClientHandshake):
 
     def _drop_unresendable(self) -> list[str]:
         """The session expired: forget the unacknowledged writes that must not be sent again
-        in the new session (see :data:`~rdzv.server.protocol.RESENDABLE_AFTER_EXPIRY`);
+        in the new session (see :data:`~rdzv.kv.protocol.RESENDABLE_AFTER_EXPIRY`);
         returns them, named (``set('key')``), for the error that reports them."""
         kept: deque[tuple[int, bytes, str, str | None]] = deque()
         dropped = []

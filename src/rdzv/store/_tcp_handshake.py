@@ -16,8 +16,7 @@ import time
 from collections import deque
 
 from ..errors import SessionExpiredError, StoreAuthenticationError, StoreProtocolError
-from ..server import _auth
-from ..server import protocol as P
+from ..kv import auth, protocol as P
 
 log = logging.getLogger("rdzv.store.tcp")
 
@@ -99,7 +98,7 @@ class ClientHandshake:
                 f"this client has a shared secret but the store server at {addr} requires none; "
                 "refusing to use an unauthenticated server"
             )
-        mac = _auth.client_proof(secret, nonce, challenge.nonce) if secret is not None else b""
+        mac = auth.client_proof(secret, nonce, challenge.nonce) if secret is not None else b""
         sock.sendall(P.encode_auth(mac))
         try:
             welcome = P.decode_welcome(self._recv_handshake(sock))
@@ -112,8 +111,8 @@ class ClientHandshake:
             )
         if welcome.status != P.HS_OK:
             raise StoreProtocolError(f"the store server at {addr} refused this client: {welcome.message}")
-        if secret is not None and not _auth.verify(
-            _auth.server_proof(secret, nonce, challenge.nonce), welcome.proof
+        if secret is not None and not auth.verify(
+            auth.server_proof(secret, nonce, challenge.nonce), welcome.proof
         ):
             raise StoreAuthenticationError(
                 f"the store server at {addr} could not prove that it knows the shared secret"

@@ -2,7 +2,7 @@
 
 Every message is a *frame*: a little-endian ``u32`` body length, then the body. Strings and byte
 strings inside a body are ``u32`` length + bytes, except that the last field of a body may take
-"the rest of the frame". Part of :mod:`rdzv.server.protocol` (spec: ``docs/protocol.md``).
+"the rest of the frame". Part of :mod:`rdzv.kv.protocol` (spec: ``docs/protocol.md``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Request codecs: the client's encoders and the server's argument decoders, one per opcode.
 
 A request body is ``u8 op, u32 request id, arguments``. Decoding never trusts its input: a
-malformed body raises :class:`~rdzv.server.protocol.ProtocolError`. Part of
-:mod:`rdzv.server.protocol`.
+malformed body raises :class:`~rdzv.kv.protocol.ProtocolError`. Part of
+:mod:`rdzv.kv.protocol`.
 """
 
 from __future__ import annotations

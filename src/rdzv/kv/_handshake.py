@@ -1,6 +1,6 @@
 """Handshake codecs: HELLO, CHALLENGE, AUTH and WELCOME (version, shared-secret proofs, session).
 
-Part of :mod:`rdzv.server.protocol`.
+Part of :mod:`rdzv.kv.protocol`.
 """
 
 from __future__ import annotations

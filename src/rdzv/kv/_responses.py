@@ -1,6 +1,6 @@
 """Response codecs: the server's encoders (OK, ERROR, TIMEOUT, payloads) and the client's decoders.
 
-A response body is ``u8 status, u32 request id, payload``. Part of :mod:`rdzv.server.protocol`.
+A response body is ``u8 status, u32 request id, payload``. Part of :mod:`rdzv.kv.protocol`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Both the in-process HashStore and the store server keep their data in a :class:`KVState`; they
 add the waiting, the networking and the persistence around it. Every mutating method returns the
 keys it changed, so the caller can wake the readers and watchers of those keys (see
-:func:`rdzv.store._base.dir_paths`). When :attr:`KVState.effects` is a list, each mutation also
+:func:`rdzv.kv.dir_paths`). When :attr:`KVState.effects` is a list, each mutation also
 appends its effect as a :class:`Put`, :class:`Delete`, :class:`SessionOpen` or
 :class:`SessionClose` (what a write-ahead log records and :meth:`KVState.apply` replays).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Mapping, NamedTuple, Sequence, Union
 
 from ..errors import StoreValueError
-from ._base import compare_set_result, conditions_hold, dir_paths
+from ._rules import compare_set_result, conditions_hold, dir_paths
 
 
 class Put(NamedTuple):
@@ -54,7 +54,7 @@ class Entry(NamedTuple):
     value: bytes
     session: int
     paths: tuple[str, ...]
-    """The key's watch paths (:func:`~rdzv.store._base.dir_paths`), computed once per key."""
+    """The key's watch paths (:func:`~rdzv.kv.dir_paths`), computed once per key."""
 
 
 def parse_counter(key: str, value: bytes | None) -> int:
