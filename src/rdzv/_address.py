@@ -32,6 +32,16 @@ def is_host(host: str) -> bool:
     return bool(_HOST_NAME.fullmatch(host)) and ".." not in host
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def check_host(host: object, what: str = "host name") -> str:
     """``host`` if it is a well-formed host name or address, else ValueError saying so."""
     if not isinstance(host, str):

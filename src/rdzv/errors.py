@@ -7,6 +7,8 @@ code written against torch catches them unchanged. Store errors also derive from
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class RendezvousError(Exception):
     """The root of every error rdzv raises."""
@@ -55,6 +57,20 @@ class StoreTimeoutError(StoreError, RendezvousTimeoutError, TimeoutError):
     def __init__(self, message: str, keys: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.keys = keys
+
+    @classmethod
+    def waiting_for(cls, keys: Sequence[str], seconds: float) -> "StoreTimeoutError":
+        """The error of a wait on ``keys`` that lasted ``seconds`` without success.
+
+        Its message starts with torch's words (``wait timeout after 300000ms, keys: ...``), so
+        code that matches torch's message matches rdzv's too.
+        """
+        shown = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+        return cls(
+            f"wait timeout after {seconds * 1000:.0f}ms, keys: {shown} (waited {seconds:g} s; "
+            "raise the store's timeout, or check that the writer runs)",
+            tuple(keys),
+        )
 
 
 class QueueEmptyError(StoreError):

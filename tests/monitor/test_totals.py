@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rdzv.monitor import RunTotals, parse_web_address
-from rdzv.monitor._cli import is_loopback, page_secret
+from rdzv._address import is_loopback
+from rdzv.monitor._cli import page_secret
 from rdzv.monitor._http import host_names_this_machine
 from rdzv.errors import RendezvousParameterError
 from rdzv.rendezvous import RunEvent

@@ -12,12 +12,11 @@ on a loopback address.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .._address import parse_endpoint
+from .._address import is_loopback, parse_endpoint
 from ..errors import RendezvousParameterError
 
 if TYPE_CHECKING:  # (imported when the flag is used: the command line starts fast)
@@ -28,6 +27,7 @@ if TYPE_CHECKING:  # (imported when the flag is used: the command line starts fa
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
+"""Where the web view listens unless told: this machine only."""
 
 WEB_HELP = (
     "also serve a live web view of the run(s) and Prometheus metrics at /metrics on [HOST:]PORT "
@@ -41,16 +41,6 @@ WEB_SECRET_HELP = (
     "the store's shared secret (tcp: --secret-file / secret_file= / $RDZV_STORE_SECRET). Needed "
     "for a --web host other than loopback when the store has no secret (etcd, file backends)"
 )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an address) is this machine only."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def page_secret(address: tuple[str, int], store_secret: bytes | None,

@@ -35,9 +35,8 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ._cli import DEFAULT_HOST, is_loopback
 from ._prometheus import MonitorCollector, render_metrics, require_prometheus
-from .._address import port_taken
+from .._address import is_loopback, port_taken
 from ..errors import SourceUnavailable
 from ._source import RunSource, run_payload, runs_payload
 
@@ -68,7 +67,7 @@ class MonitorServer:
     picks a free port (see :attr:`port`). Needs ``prometheus_client`` (``rdzv[monitor]``).
     """
 
-    def __init__(self, source: RunSource, host: str = DEFAULT_HOST, port: int = 0, *,
+    def __init__(self, source: RunSource, host: str, port: int = 0, *,
                  secret: bytes | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         require_prometheus()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
-from ..errors import StoreTimeoutError, StoreUnsupportedError, StoreValueError
+from ..errors import StoreUnsupportedError, StoreValueError
 from . import _queue
 
 Value = Union[str, bytes, bytearray, memoryview]
@@ -102,20 +102,6 @@ def to_seconds(timeout: Timeout, default: float) -> float:
     if seconds < 0:
         raise ValueError(f"timeout must be >= 0, got {seconds}")
     return seconds
-
-
-def timeout_error(keys: Sequence[str], seconds: float) -> StoreTimeoutError:
-    """The error raised when blocking on ``keys`` lasted ``seconds`` without success.
-
-    Its message starts with torch's words (``wait timeout after 300000ms, keys: ...``), so code
-    that matches torch's message matches rdzv's too.
-    """
-    shown = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
-    return StoreTimeoutError(
-        f"wait timeout after {seconds * 1000:.0f}ms, keys: {shown} (waited {seconds:g} s; "
-        "raise the store's timeout, or check that the writer runs)",
-        tuple(keys),
-    )
 
 
 def check_conditional_write(

@@ -14,7 +14,13 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Sequence, Union
 
-from ..errors import SessionExpiredError, StoreAuthenticationError, StoreError, StoreValueError
+from ..errors import (
+    SessionExpiredError,
+    StoreAuthenticationError,
+    StoreError,
+    StoreTimeoutError,
+    StoreValueError,
+)
 from ..etcd._client import (
     MAX_TXN_OPS,
     EtcdAmbiguousError,
@@ -37,7 +43,6 @@ from ._base import (
     Value,
     check_conditional_write,
     check_key,
-    timeout_error,
     to_bytes,
     to_seconds,
 )
@@ -158,7 +163,7 @@ class EtcdStore(Store):
                 return [unb64(kv.get("value")) for kv in found if kv is not None]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise timeout_error(missing, timeout)
+                raise StoreTimeoutError.waiting_for(missing, timeout)
             create = {"key": b64(self.etcd_key(missing[0])), "start_revision": revision + 1,
                       "filters": ["NODELETE"]}  # fmt: skip
             try:

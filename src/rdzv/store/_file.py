@@ -32,7 +32,6 @@ from ._base import (
     Value,
     check_conditional_write,
     check_key,
-    timeout_error,
     to_bytes,
     to_seconds,
 )
@@ -488,5 +487,5 @@ class FileStore(Store):
         result = self._poll(values, timeout)
         if result is None:
             missing = self._read(lambda s: [k for k in keys if not s.contains(k)])
-            raise timeout_error(missing or keys, timeout)
+            raise StoreTimeoutError.waiting_for(missing or keys, timeout)
         return result

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Sequence
 
+from ..errors import StoreTimeoutError
+from ..kv import KVState
 from ._base import (
     DEFAULT_TIMEOUT,
     Conditions,
@@ -20,11 +22,9 @@ from ._base import (
     Value,
     check_key,
     check_conditional_write,
-    timeout_error,
     to_bytes,
     to_seconds,
 )
-from ..kv import KVState
 
 
 class _Shared:
@@ -151,7 +151,7 @@ class HashStore(Store):
                     return values  # type: ignore[return-value]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise timeout_error([k for k, v in zip(keys, values) if v is None], timeout)
+                    raise StoreTimeoutError.waiting_for([k for k, v in zip(keys, values) if v is None], timeout)
                 cond.wait(remaining)
 
     # -- sessions ---------------------------------------------------------------------------

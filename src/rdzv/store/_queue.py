@@ -87,8 +87,6 @@ def push(store: "Store", key: str, value: bytes) -> None:
 def pop(store: "Store", key: str, block: bool) -> bytes:
     """Take the first item of the queue at ``key``; wait for one (up to the store's timeout)
     when ``block``, else raise QueueEmptyError if there is none."""
-    from ._base import timeout_error
-
     seconds = store.timeout.total_seconds()
     deadline = time.monotonic() + seconds
     while True:
@@ -105,7 +103,7 @@ def pop(store: "Store", key: str, block: bool) -> bytes:
             raise QueueEmptyError(f"queue is empty (key {key!r})")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise timeout_error([key], seconds)
+            raise StoreTimeoutError.waiting_for([key], seconds)
         store.watch(key, revision, remaining)
 
 

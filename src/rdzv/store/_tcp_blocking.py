@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..errors import StoreProtocolError
+from ..errors import StoreProtocolError, StoreTimeoutError
 from ..kv import protocol as P
-from ._base import Store, Timeout, check_key, timeout_error, to_seconds
+from ._base import Store, Timeout, check_key, to_seconds
 from ._tcp_conn import StoreConnection, log
 
 _OK = P.STATUS_OK
@@ -42,7 +42,7 @@ class BlockingCalls(StoreConnection, Store):
         if status != _TIMEOUT:
             raise self._error(status, payload, "get", key)
         if _monotonic() >= started + timeout:
-            raise timeout_error([key], timeout)
+            raise StoreTimeoutError.waiting_for([key], timeout)
         return self._get1(key, timeout, started + timeout)
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
@@ -90,7 +90,7 @@ class BlockingCalls(StoreConnection, Store):
             if done:
                 return payload
             if _monotonic() >= deadline:
-                raise timeout_error([key], timeout)
+                raise StoreTimeoutError.waiting_for([key], timeout)
 
     def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
         if len(keys) == 1:
@@ -113,7 +113,7 @@ class BlockingCalls(StoreConnection, Store):
             if done:
                 return payload
             if _monotonic() >= deadline:
-                raise timeout_error(P.decode_keys(payload) or keys, timeout)
+                raise StoreTimeoutError.waiting_for(P.decode_keys(payload) or keys, timeout)
 
     def _chunk(
         self, encode: Callable[[int, int], bytes], deadline: float, what: str, key: str

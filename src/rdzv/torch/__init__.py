@@ -19,12 +19,12 @@ from ._handler import (
     TORCHRUN_BACKENDS,
     TorchRendezvousHandler,
     create_torch_handler,
-    register_torch_backends,
 )
 from ._init import destroy_process_group, init_process_group
 from ._nodegroup import node_mesh
-from ._plugin import (
-    torchrun_handler_creator,  # first: torch may load it while we import torch
+from ._plugin import (  # first: torch may load it while we import torch
+    register_torch_backends,
+    torchrun_handler_creator,
 )
 from ._store import TorchStore
 

@@ -27,7 +27,6 @@ from ..rendezvous import (
     RendezvousParameters,
     get_rendezvous_handler,
 )
-from . import _plugin
 from ._store import TorchStore
 
 logger = logging.getLogger(__name__)
@@ -184,16 +183,3 @@ def create_torch_handler(params: torch_api.RendezvousParameters) -> TorchRendezv
     handler = cast(RendezvousHandler, get_rendezvous_handler(rdzv_parameters(params)))
     logger.info("torchrun rendezvous on rdzv backend %s (run %s)", params.backend, params.run_id)
     return TorchRendezvousHandler(handler, params.backend)
-
-
-def register_torch_backends() -> list[str]:
-    """Register ``rdzv-tcp``, ``rdzv-file`` and ``rdzv-etcd`` in torch's handler registry.
-
-    For programs that start torch's agent themselves (torchrun finds them through the entry
-    points). Names already registered with the same creator are left as they are. Returns the
-    names.
-    """
-    names = [BACKEND_PREFIX + name for name in TORCHRUN_BACKENDS]
-    for name in names:  # the entry points' creator: registering again is then a no-op
-        torch_api.rendezvous_handler_registry.register(name, _plugin.create_handler)
-    return names
