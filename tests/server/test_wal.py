@@ -561,3 +561,25 @@ def test_bad_arguments_and_misuse_are_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(StoreError, match="cannot use data dir"):
         WriteAheadLog(tmp_path / "file")
+
+
+def test_a_data_dir_written_before_the_shared_effect_encoding_loads(tmp_path: Path) -> None:
+    """A data dir of log format 3, written by the rdzv release before effects got one encoding
+    shared with the FileStore (``data/datadir-format-3``: 5 keys set, a counter added to 7, one
+    key deleted, a non-ASCII key), is served as it was written."""
+    from rdzv.server import StoreServer
+    from rdzv.store import TCPStore
+
+    data_dir = tmp_path / "data"
+    shutil.copytree(Path(__file__).parent / "data" / "datadir-format-3", data_dir)
+    server = StoreServer(host="127.0.0.1", port=0, data_dir=data_dir)
+    server.start()
+    try:
+        with TCPStore("127.0.0.1", server.port, timeout=10) as client:
+            assert client.list_keys("run/") == {
+                "run/k1": b"v1", "run/k2": b"v2", "run/k3": b"v3", "run/k4": b"v4",
+                "run/n": b"7", "run/ü": b"x"}
+            assert client.add("run/n", 1) == 8
+    finally:
+        server.stop()
+    assert recover(data_dir).items()  # and what it logged since reads back

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import shutil
 import threading
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -235,3 +237,42 @@ def test_dropping_the_last_reference_releases_the_store(tmp_path: Path, world_si
     gc.collect()
     eventually(lambda: not _heartbeats() & started, 10, "every heartbeat ends")
     assert path.exists() == (world_size == -1)
+
+
+FORMAT_1 = Path(__file__).parent / "data" / "filestore-format-1.store"
+"""A file written by the rdzv release before effects got one encoding shared with the server's
+log: 12 keys set then one deleted, a counter at 42, a key appended to twice, an ephemeral key
+whose client closed, a non-ASCII key; compacted once (a snapshot record, then log records)."""
+
+
+def file_version(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[8:12], "little")
+
+
+def test_a_file_of_format_1_loads_and_is_rewritten_in_format_2_by_its_first_client(
+        tmp_path: Path) -> None:
+    """A client opens its session (a write) at once: the file is rewritten then, and an rdzv of
+    format 1 still attached stops with an error naming the version (the test below)."""
+    path = tmp_path / "job.store"
+    shutil.copy(FORMAT_1, path)
+    expected = {f"job/key{i}": f"value {i}".encode() for i in range(12) if i != 3}
+    expected.update({"job/counter": b"42", "job/log": b"ab", "job/ü": b"unicode"})
+    with FileStore(path) as first, FileStore(path) as second:
+        assert file_version(path) == 2
+        assert first.list_keys("job/") == expected and first.revision("") == 20
+        first.set("job/new", "after the rewrite")
+        assert second.list_keys("job/") == {**expected, "job/new": b"after the rewrite"}
+        assert second.revision("") == 21
+    with FileStore(path) as fresh:
+        assert fresh.list_keys("job/") == {**expected, "job/new": b"after the rewrite"}
+
+
+def test_a_file_of_a_newer_format_is_refused_with_the_versions_named(tmp_path: Path) -> None:
+    data = bytearray(FORMAT_1.read_bytes())
+    data[8:12] = (3).to_bytes(4, "little")
+    data[36:40] = zlib.crc32(bytes(data[:36])).to_bytes(4, "little")
+    path = tmp_path / "job.store"
+    path.write_bytes(bytes(data))
+    with pytest.raises(RendezvousStateError, match="format version 3; this rdzv reads versions "
+                       "1 to 2: use the same rdzv version on every host"):
+        FileStore(path).get("job/key0")

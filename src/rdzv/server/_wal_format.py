@@ -2,12 +2,14 @@
 
 Both kinds of file start with a header (magic, format version, generation, CRC32) followed by
 records: ``<u32 length><u32 crc32(payload)><u32 crc32(those 8 bytes)>`` then the payload, whose
-first byte is the record type. The header checksum tells a corrupted length (an error) from a
+first byte is the record type: an effect in the one encoding of :mod:`rdzv.kv` (the FileStore
+writes the same), or one of the log's own records. The header checksum tells a corrupted length (an error) from a
 record cut short at the end of the file (a torn write). A log also holds, after the effects of
 each write request, a SessionRequest: the session's last applied write (its request id and
 answer), so that a write resent after a restart is not applied twice. A snapshot holds a meta
 record (revision, last session id, counts), then one Put per key, one SessionOpen per session,
-the SessionRequest of each session that wrote, and one PathRevision per path. No I/O here but whole-file reads and the writing of a snapshot file.
+the SessionRequest of each session that wrote, and one PathRevision per path. No I/O here but
+whole-file reads and the writing of a snapshot file.
 """
 
 from __future__ import annotations
@@ -19,7 +21,20 @@ from pathlib import Path
 from typing import NamedTuple, Union
 
 from ..errors import RendezvousStateError, StoreError
-from ..kv import Delete, Effect, KVState, Put, SessionClose, SessionOpen
+from ..kv import (
+    FIRST_FORMAT_TYPE,
+    Delete,
+    Effect,
+    KVState,
+    Put,
+    SessionClose,
+    SessionOpen,
+    decode_effect,
+    decode_key,
+    encode_effect,
+    encode_key,
+    is_effect,
+)
 
 FORMAT_VERSION = 3
 """The version of the file format written (2 added SessionRequest records, 3 the sessions'
@@ -32,11 +47,9 @@ FILE_HEADER_SIZE = _FILE_HEADER.size
 _LENGTH_CRC = struct.Struct("<II")  # payload length, crc32(payload)
 _RECORD_HEADER = struct.Struct("<III")  # the above, then crc32 of those 8 bytes
 
-_PUT, _DELETE, _SESSION_OPEN, _SESSION_CLOSE, _PATH_REVISION, _SNAPSHOT_META, _REQUEST = range(1, 8)
-_PUT_HEAD = struct.Struct("<BQQI")  # type, revision, session, key length; then key, value
-_TYPE_NUMBER = struct.Struct("<BQ")  # type, revision or session; for Delete and PathRevision
-# the key or path follows
-_SESSION_OPEN_BODY = struct.Struct("<BQd")  # type, session, ttl; then (format 3) the token
+_PATH_REVISION, _SNAPSHOT_META, _REQUEST = range(FIRST_FORMAT_TYPE, FIRST_FORMAT_TYPE + 3)
+"""The log's and snapshot's own records; effects are encoded by :func:`rdzv.kv.encode_effect`."""
+_PATH_REVISION_HEAD = struct.Struct("<BQ")  # type, revision; then the path
 _SNAPSHOT_META_BODY = struct.Struct("<BQQQQQ")  # type, revision, last session, counts x3
 _REQUEST_HEAD = struct.Struct("<BQIB")  # type, session, request id, has answer; then the answer
 
@@ -79,34 +92,16 @@ def _frame(payload: bytes) -> bytes:
     return head + zlib.crc32(head).to_bytes(4, "little") + payload
 
 
-def _text(text: str) -> bytes:
-    return text.encode("utf-8", "surrogatepass")
-
-
-def _untext(data: bytes) -> str:
-    return data.decode("utf-8", "surrogatepass")
-
-
 def encode(record: _Record) -> bytes:
     """The framed record of an effect (or of a snapshot-only record)."""
-    if isinstance(record, Put):
-        key = _text(record.key)
-        return _frame(
-            _PUT_HEAD.pack(_PUT, record.revision, record.session, len(key)) + key + record.value
-        )
-    if isinstance(record, Delete):
-        return _frame(_TYPE_NUMBER.pack(_DELETE, record.revision) + _text(record.key))
-    if isinstance(record, SessionOpen):
-        head = _SESSION_OPEN_BODY.pack(_SESSION_OPEN, record.session, record.ttl)
-        return _frame(head + record.token)
-    if isinstance(record, SessionClose):
-        return _frame(_TYPE_NUMBER.pack(_SESSION_CLOSE, record.session))
+    if isinstance(record, (Put, Delete, SessionOpen, SessionClose)):
+        return _frame(encode_effect(record))
     if isinstance(record, SessionRequest):
         answer = record.answer
         head = _REQUEST_HEAD.pack(_REQUEST, record.session, record.rid, answer is not None)
         return _frame(head + (answer or b""))
     if isinstance(record, _PathRevision):
-        return _frame(_TYPE_NUMBER.pack(_PATH_REVISION, record.revision) + _text(record.path))
+        return _frame(_PATH_REVISION_HEAD.pack(_PATH_REVISION, record.revision) + encode_key(record.path))
     if isinstance(record, _SnapshotMeta):
         return _frame(_SNAPSHOT_META_BODY.pack(_SNAPSHOT_META, *record))
     raise TypeError(f"cannot log {record!r}: not a Put, Delete, SessionOpen or SessionClose")
@@ -114,22 +109,12 @@ def encode(record: _Record) -> bytes:
 
 def decode(payload: bytes) -> _Record:
     """The record held by a payload whose checksum passed; ValueError if it makes no sense."""
+    if is_effect(payload):
+        return decode_effect(payload)
     kind = payload[0] if payload else None
-    if kind == _PUT:
-        _, revision, session, key_length = _PUT_HEAD.unpack_from(payload)
-        key_end = _PUT_HEAD.size + key_length
-        if key_end > len(payload):
-            raise ValueError(f"key length {key_length} runs past the record")
-        return Put(revision, _untext(payload[_PUT_HEAD.size : key_end]), payload[key_end:], session)
-    if kind == _SESSION_OPEN:
-        _, session, ttl = _SESSION_OPEN_BODY.unpack_from(payload)
-        return SessionOpen(session, ttl, payload[_SESSION_OPEN_BODY.size :])
-    if kind == _SESSION_CLOSE:
-        return SessionClose(_TYPE_NUMBER.unpack(payload)[1])
-    if kind in (_DELETE, _PATH_REVISION):
-        number = _TYPE_NUMBER.unpack_from(payload)[1]
-        text = _untext(payload[_TYPE_NUMBER.size :])
-        return Delete(number, text) if kind == _DELETE else _PathRevision(text, number)
+    if kind == _PATH_REVISION:
+        revision = _PATH_REVISION_HEAD.unpack_from(payload)[1]
+        return _PathRevision(decode_key(payload[_PATH_REVISION_HEAD.size :]), revision)
     if kind == _REQUEST:
         _, session, rid, answered = _REQUEST_HEAD.unpack_from(payload)
         return SessionRequest(session, rid, payload[_REQUEST_HEAD.size :] if answered else None)

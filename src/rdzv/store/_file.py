@@ -38,6 +38,7 @@ from ._base import (
 from ._fileformat import (
     HEADER_SIZE,
     FileEffect,
+    VERSION,
     Header,
     apply_effect,
     decode_header,
@@ -222,7 +223,8 @@ class FileStore(Store):
             self._read_header(fd)
         if size > self._offset:
             data = os.pread(fd, size - self._offset, self._offset)
-            records, used = decode_records(data, self._offset, self.file_name)
+            records, used = decode_records(data, self._offset, self.file_name,
+                                           self._header.version)
             for record in records:
                 self._apply(record)
             self._offset += used
@@ -262,19 +264,26 @@ class FileStore(Store):
     def _mutate(self, decide: Callable[[KVState], T]) -> T:
         """Run ``decide`` on the caught-up state under the exclusive lock; log its effects."""
         with self._locked(exclusive=True) as state:
-            state.effects = []
-            try:
-                result = decide(state)
-                effects = state.effects
-            except BaseException:
-                if state.effects:  # decided, then failed: the cache is ahead of the file
-                    self._forget_cache()
-                raise
-            finally:
-                state.effects = None
-            if effects:
-                self._append(effects)
-            return result
+            if self._header.version == VERSION:
+                return self._decide_and_log(state, decide)
+            self._convert()  # an older format's file: rewritten, then locked anew
+        with self._locked(exclusive=True) as state:
+            return self._decide_and_log(state, decide)
+
+    def _decide_and_log(self, state: KVState, decide: Callable[[KVState], T]) -> T:
+        state.effects = []
+        try:
+            result = decide(state)
+            effects = state.effects
+        except BaseException:
+            if state.effects:  # decided, then failed: the cache is ahead of the file
+                self._forget_cache()
+            raise
+        finally:
+            state.effects = None
+        if effects:
+            self._append(effects)
+        return result
 
     def _forget_cache(self) -> None:
         """Make the next lock replay the whole file (the cache holds effects it lacks)."""
@@ -296,8 +305,18 @@ class FileStore(Store):
         if log_bytes > self._compact_bytes and log_bytes > self._header.data_start:
             self._compact()
 
-    def _compact(self) -> None:
-        """Replace the file with a snapshot of the state (we hold the exclusive lock)."""
+    def _convert(self) -> None:
+        """Rewrite a file of an older format in this one (we hold the exclusive lock). rdzv of
+        that older format, still attached, then stops with an error that names the version."""
+        if not self._compact():
+            self._forget_cache()
+            raise StoreError(f"cannot rewrite FileStore file {self.file_name} (format "
+                             f"{self._header.version}) in format {VERSION}: see the warning above")
+        logger.info("FileStore %s: rewritten in format %d", self.file_name, VERSION)
+
+    def _compact(self) -> bool:
+        """Replace the file with a snapshot of the state (we hold the exclusive lock); whether
+        it was replaced (else the log stays as it was)."""
         snapshot = encode_record(snapshot_effects(self._state, self._last_session))
         header = Header(random.getrandbits(63) + 1, self._header.file_id, HEADER_SIZE + len(snapshot))
         temp = f"{self.file_name}.compact-{os.getpid()}-{threading.get_ident()}"
@@ -310,12 +329,13 @@ class FileStore(Store):
             os.close(fd)
             os.unlink(temp)
             logger.warning("FileStore %s: compaction failed, keeping the log: %s", self.file_name, exc)
-            return
+            return False
         logger.debug("FileStore %s: compacted to %d bytes", self.file_name, header.data_start)
         assert self._fd is not None
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd, self._header, self._offset = fd, header, header.data_start
+        return True
 
     # -- sessions ---------------------------------------------------------------------------
     def _open_session(self) -> tuple[int, SessionFile]:

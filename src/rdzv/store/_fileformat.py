@@ -2,9 +2,14 @@
 
 A file starts with a fixed header (magic, format version, this file's random id, the id of the
 file it was compacted from, and the offset where records after the compaction snapshot start).
-Each record is ``length (u32) + crc32 (u32) + payload``; the payload is the list of effects of
-one mutation (so a mutation is applied whole or not at all). A compacted file starts with one
-snapshot record that rebuilds the whole state. Encoding and decoding do no I/O.
+Each record is ``length (u32) + crc32 (u32) + payload``; the payload is the effects of one
+mutation (so a mutation is applied whole or not at all), each as ``u32 length`` + the effect in
+the one encoding of :mod:`rdzv.kv` (the server's log writes the same). A compacted file starts
+with one snapshot record that rebuilds the whole state, ending with a :class:`Revision`.
+
+Version 1 (rdzv before the shared encoding) packed its effects its own way; such a file is
+still read, and the first write converts it (see ``FileStore._append``). Encoding and decoding
+do no I/O.
 """
 
 from __future__ import annotations
@@ -14,18 +19,28 @@ import zlib
 from typing import NamedTuple, Sequence, Union
 
 from ..errors import RendezvousStateError
-from ..kv import Delete, Effect, KVState, Put, SessionClose, SessionOpen
+from ..kv import (
+    FIRST_FORMAT_TYPE,
+    Delete,
+    Effect,
+    KVState,
+    Put,
+    SessionClose,
+    SessionOpen,
+    decode_effect,
+    encode_effect,
+    is_effect,
+)
 
 MAGIC = b"RDZVFILE"
-VERSION = 1
+VERSION = 2
+"""The version written (2: effects in the shared encoding); version 1 files are read too."""
 _HEADER = struct.Struct("<8sIQQQI")  # magic, version, file id, parent id, data start, crc32
 HEADER_SIZE = _HEADER.size
 _RECORD = struct.Struct("<II")  # payload length, crc32 of payload
-_PUT = struct.Struct("<BQQII")  # type, revision, session, key length, value length
-_DELETE = struct.Struct("<BQI")  # type, revision, key length
-_SESSION_OPEN = struct.Struct("<BQd")  # type, session, ttl
-_ID = struct.Struct("<BQ")  # type, session (SessionClose) or revision (Revision)
-_T_PUT, _T_DELETE, _T_OPEN, _T_CLOSE, _T_REVISION = range(1, 6)
+_LENGTH = struct.Struct("<I")  # of one item of a record
+_REVISION = struct.Struct("<BQ")  # type, revision
+_T_REVISION = FIRST_FORMAT_TYPE
 MAX_RECORD = 1 << 31
 
 
@@ -42,10 +57,11 @@ class Header(NamedTuple):
     file_id: int
     parent_id: int
     data_start: int
+    version: int = VERSION
 
 
 def encode_header(header: Header) -> bytes:
-    fields = (MAGIC, VERSION, header.file_id, header.parent_id, header.data_start)
+    fields = (MAGIC, header.version, header.file_id, header.parent_id, header.data_start)
     body = _HEADER.pack(*fields, 0)[:-4]
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -65,34 +81,18 @@ def decode_header(data: bytes, file_name: str) -> Header:
     magic, version, file_id, parent_id, data_start, crc = _HEADER.unpack_from(data)
     if zlib.crc32(data[: HEADER_SIZE - 4]) != crc:
         raise RendezvousStateError(f"{file_name}: corrupt FileStore header at offset 0")
-    if version != VERSION:
+    if version not in _PAYLOAD_DECODERS:
         raise RendezvousStateError(
-            f"{file_name} has FileStore format version {version}; this rdzv reads version "
-            f"{VERSION}: use the same rdzv version on every host, or a new path"
+            f"{file_name} has FileStore format version {version}; this rdzv reads versions "
+            f"1 to {VERSION}: use the same rdzv version on every host, or a new path"
         )
-    return Header(file_id, parent_id, data_start)
+    return Header(file_id, parent_id, data_start, version)
 
 
 def encode_record(effects: Sequence[FileEffect]) -> bytes:
-    parts: list[bytes] = []
-    for effect in effects:
-        if isinstance(effect, Put):
-            key = effect.key.encode()
-            parts += (
-                _PUT.pack(_T_PUT, effect.revision, effect.session, len(key), len(effect.value)),
-                key,
-                effect.value,
-            )
-        elif isinstance(effect, Delete):
-            key = effect.key.encode()
-            parts += (_DELETE.pack(_T_DELETE, effect.revision, len(key)), key)
-        elif isinstance(effect, SessionOpen):
-            parts.append(_SESSION_OPEN.pack(_T_OPEN, effect.session, effect.ttl))
-        elif isinstance(effect, SessionClose):
-            parts.append(_ID.pack(_T_CLOSE, effect.session))
-        else:
-            parts.append(_ID.pack(_T_REVISION, effect.revision))
-    payload = b"".join(parts)
+    items = [_REVISION.pack(_T_REVISION, e.revision) if isinstance(e, Revision) else encode_effect(e)
+             for e in effects]
+    payload = b"".join(_LENGTH.pack(len(item)) + item for item in items)
     if len(payload) >= MAX_RECORD:
         raise ValueError(f"a FileStore write is limited to {MAX_RECORD} bytes, got {len(payload)}")
     return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
@@ -102,26 +102,51 @@ def _decode_payload(payload: bytes) -> list[FileEffect]:
     effects: list[FileEffect] = []
     pos, end = 0, len(payload)
     while pos < end:
+        (length,) = _LENGTH.unpack_from(payload, pos)
+        item = payload[pos + _LENGTH.size : pos + _LENGTH.size + length]
+        if len(item) != length:
+            raise ValueError("effect runs past the end of its record")
+        pos += _LENGTH.size + length
+        if is_effect(item):
+            effects.append(decode_effect(item))
+        elif item[:1] == bytes([_T_REVISION]):
+            effects.append(Revision(_REVISION.unpack(item)[1]))
+        else:
+            raise ValueError(f"unknown effect type {item[:1].hex() or 'none'}")
+    return effects
+
+
+_V1_PUT = struct.Struct("<BQQII")  # type, revision, session, key length, value length
+_V1_DELETE = struct.Struct("<BQI")  # type, revision, key length
+_V1_SESSION_OPEN = struct.Struct("<BQd")  # type, session, ttl
+_V1_ID = struct.Struct("<BQ")  # type, session (SessionClose) or revision (Revision)
+
+
+def _decode_payload_v1(payload: bytes) -> list[FileEffect]:
+    """Version 1's records: the same effects, each packed with its lengths up front."""
+    effects: list[FileEffect] = []
+    pos, end = 0, len(payload)
+    while pos < end:
         kind = payload[pos]
-        if kind == _T_PUT:
-            _, revision, session, key_len, value_len = _PUT.unpack_from(payload, pos)
-            pos += _PUT.size
+        if kind == 1:
+            _, revision, session, key_len, value_len = _V1_PUT.unpack_from(payload, pos)
+            pos += _V1_PUT.size
             key = payload[pos : pos + key_len].decode()
             value = payload[pos + key_len : pos + key_len + value_len]
             pos += key_len + value_len
             effects.append(Put(revision, key, value, session))
-        elif kind == _T_DELETE:
-            _, revision, key_len = _DELETE.unpack_from(payload, pos)
-            pos += _DELETE.size + key_len
+        elif kind == 2:
+            _, revision, key_len = _V1_DELETE.unpack_from(payload, pos)
+            pos += _V1_DELETE.size + key_len
             effects.append(Delete(revision, payload[pos - key_len : pos].decode()))
-        elif kind == _T_OPEN:
-            _, session, ttl = _SESSION_OPEN.unpack_from(payload, pos)
-            pos += _SESSION_OPEN.size
+        elif kind == 3:
+            _, session, ttl = _V1_SESSION_OPEN.unpack_from(payload, pos)
+            pos += _V1_SESSION_OPEN.size
             effects.append(SessionOpen(session, ttl))
-        elif kind in (_T_CLOSE, _T_REVISION):
-            _, number = _ID.unpack_from(payload, pos)
-            pos += _ID.size
-            effects.append(SessionClose(number) if kind == _T_CLOSE else Revision(number))
+        elif kind in (4, 5):
+            _, number = _V1_ID.unpack_from(payload, pos)
+            pos += _V1_ID.size
+            effects.append(SessionClose(number) if kind == 4 else Revision(number))
         else:
             raise ValueError(f"unknown effect type {kind}")
     if pos != end:
@@ -129,14 +154,19 @@ def _decode_payload(payload: bytes) -> list[FileEffect]:
     return effects
 
 
+_PAYLOAD_DECODERS = {1: _decode_payload_v1, VERSION: _decode_payload}
+
+
 def decode_records(
-    data: bytes, offset: int, file_name: str
+    data: bytes, offset: int, file_name: str, version: int = VERSION
 ) -> tuple[list[list[FileEffect]], int]:
-    """The records that ``data`` (read at file ``offset``) holds in full, and their total size.
+    """The records that ``data`` (read at file ``offset`` of a file of format ``version``)
+    holds in full, and their total size.
 
     An incomplete last record (its writer died mid-write) is left out; a record whose CRC or
     content is wrong raises RendezvousStateError naming the file and the record's offset.
     """
+    decode_payload = _PAYLOAD_DECODERS[version]
     records: list[list[FileEffect]] = []
     pos = 0
     while len(data) - pos >= _RECORD.size:
@@ -148,7 +178,7 @@ def decode_records(
         try:
             if zlib.crc32(payload) != crc:
                 raise ValueError("CRC mismatch")
-            records.append(_decode_payload(payload))
+            records.append(decode_payload(payload))
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
             raise RendezvousStateError(
                 f"{file_name}: corrupt FileStore record at offset {offset + pos} ({exc}); "
