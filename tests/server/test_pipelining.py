@@ -4,7 +4,6 @@ confirms them; failures surface on the next call; resent writes are applied once
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from _raw import Raw, start_server_process
@@ -118,8 +117,7 @@ def test_sigkilled_durable_server_with_pipelined_sets_outstanding(tmp_path: obje
         for i in range(200):
             store.set(f"b/{i}", str(i))  # outstanding when the server dies
         server.kill()
-        server.wait()
-        time.sleep(0.2)
+        server.wait()  # dead: its port and its data dir are free (the port is bound with SO_REUSEADDR)
         server, _ = start_server_process("--data-dir", data_dir, "--fsync", "never", port=port)
         store.flush()  # reconnects, resumes its session, resends what was not acknowledged
         reader = TCPStore("127.0.0.1", port, timeout=60)
