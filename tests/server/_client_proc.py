@@ -5,8 +5,8 @@ Modes (each prints what it did, one line at a time, flushed):
 * ``ephemeral PORT TTL KEY``: sets KEY ephemerally (flushed), prints ``ready <session id>``, then
   sleeps until killed.
 * ``writer PORT COUNT``: sets ``w/<i>`` for i in 0..COUNT-1 (pipelined), and after every 10th
-  prints ``ack <i>`` once ``flush()`` confirmed every set up to it; then ``done``; carries on
-  across a server restart.
+  prints ``ack <i> <time.monotonic()>`` once ``flush()`` confirmed every set up to it; then
+  ``done``; carries on across a server restart.
 * ``waiters PORT N KEY``: opens N clients, each blocked in ``get(KEY)`` in its own thread after
   ``add("ready", 1)``; prints ``connected`` once all are open, then, when all are woken, a JSON
   line ``{"woken": N, "last": <time.time() of the last wake-up>}``.
@@ -42,7 +42,7 @@ def writer(port: int, count: int) -> None:
         store.set(f"w/{i}", str(i))
         if i % 10 == 9 or i == count - 1:
             store.flush()
-            say(f"ack {i}")
+            say(f"ack {i} {time.monotonic()!r}")  # (the clock that the test reads too)
     say("done")
     store.close()
 
