@@ -23,6 +23,7 @@ from rdzv.errors import (
 from rdzv.server import StoreServer
 from rdzv.kv import protocol as P
 from rdzv.store import TCPStore
+from rdzv.store import _tcp as tcp_store
 
 
 def still_serving(server: StoreServer, store: TCPStore) -> None:
@@ -141,7 +142,9 @@ def test_client_vanishing_mid_blocking_get(server: StoreServer, store: TCPStore)
     raw = Raw(server.port)
     raw.handshake()
     raw.send(P.encode_get(1, b"never", True, 60000))
-    time.sleep(0.1)
+    core = server._core
+    assert core is not None
+    wait_until(lambda: core.waiters.get("never"), 10, "the blocking get to wait on the server")
     raw.close()
     store.set("never", "now")  # the waiter of the vanished client must not break the wake-up
     still_serving(server, store)
@@ -170,9 +173,10 @@ def test_client_not_reading_its_answers_does_not_stall_others(server: StoreServe
             raw.sock.sendall(request)
     except (socket.timeout, BlockingIOError):
         pass  # the server stopped reading this client
-    time.sleep(0.5)
     core = server._core
     assert core is not None
+    wait_until(lambda: any(not c.reading for c in list(core.conns)), 10,
+               "the server to stop reading the client that does not read its answers")
     buffered = max(c.buffered() for c in list(core.conns))
     assert buffered <= core.out_limit
     started = time.monotonic()
@@ -245,7 +249,11 @@ def test_client_talking_to_a_non_rdzv_server() -> None:
         conn, _ = listener.accept()
         conn.recv(1024)
         conn.sendall(b"\x10\x00\x00\x00HTTP/1.1 400 Bad")
-        time.sleep(0.5)
+        conn.settimeout(10)
+        try:
+            conn.recv(1)  # until the client hangs up, having read the answer
+        except OSError:
+            pass
         conn.close()
 
     thread = threading.Thread(target=answer, daemon=True)
@@ -504,9 +512,23 @@ def test_master_starts_an_embedded_server_on_a_free_port() -> None:
         TCPStore("127.0.0.1", master.port, timeout=0.3)
 
 
-def test_world_size_waits_for_every_worker() -> None:
+def test_world_size_waits_for_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     joined: list[TCPStore] = []
     master_box: list[TCPStore] = []
+    servers: list[StoreServer] = []  # the master's embedded server, to see it wait
+    real_start_server = tcp_store.start_server
+
+    def start_server(*args: object) -> StoreServer:
+        servers.append(real_start_server(*args))
+        return servers[-1]
+
+    monkeypatch.setattr(tcp_store, "start_server", start_server)
+
+    def master_waits(watches: int) -> bool:
+        """The master blocks in its ``watches``-th watch of the count of clients."""
+        core = servers[0]._core if servers else None
+        return (core is not None and bool(core.waiters.get(tcp_store.INIT_KEY))
+                and servers[0].metrics().requests.get(P.OP_NAMES[P.OP_WATCH], 0) == watches)
 
     def make_master() -> None:
         master_box.append(TCPStore("127.0.0.1", port, world_size=3, is_master=True, timeout=20))
@@ -517,10 +539,10 @@ def test_world_size_waits_for_every_worker() -> None:
     probe.close()
     thread = threading.Thread(target=make_master)
     thread.start()
-    time.sleep(0.3)
+    wait_until(lambda: master_waits(1), 20, "the master to wait for two more clients")
     assert thread.is_alive()  # waiting for two more clients
     joined.append(TCPStore("127.0.0.1", port, world_size=3, timeout=20))
-    time.sleep(0.2)
+    wait_until(lambda: master_waits(2), 20, "the master to wait for one more client")
     assert thread.is_alive()
     joined.append(TCPStore("127.0.0.1", port, world_size=3, timeout=20))
     thread.join(10)
