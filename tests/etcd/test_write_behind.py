@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import urllib.request
 import uuid
 from typing import Iterator
 
 import pytest
+from _waiting import eventually
 
 from rdzv.errors import SessionExpiredError
 from rdzv.etcd import LocalEtcd
@@ -54,6 +54,14 @@ def handled(etcd: LocalEtcd) -> dict[str, int]:
     for method, value in re.findall(pattern, text):
         counts[method] = counts.get(method, 0) + int(float(value))
     return counts
+
+
+def watchers(etcd: LocalEtcd) -> int:
+    """How many watchers etcd holds now (its gauge ``etcd_debugging_mvcc_watcher_total``)."""
+    text = urllib.request.urlopen(f"{etcd.url}/metrics", timeout=30).read().decode()
+    found = re.search(r"^etcd_debugging_mvcc_watcher_total (\S+)$", text, re.MULTILINE)
+    assert found, "etcd's /metrics has no etcd_debugging_mvcc_watcher_total"
+    return int(float(found.group(1)))
 
 
 def test_joiner_keys_go_out_in_the_transaction_of_its_next_read(
@@ -144,9 +152,11 @@ def test_the_watch_that_wakes_a_joiner_brings_its_rank(
     joiner.set(ROUND + "nodes/h:1:b", "descriptor", ephemeral=True)  # names its rank key
     since = joiner.revision(ROUND + "ctl/")
     woke: list[int] = []
+    watching = watchers(etcd)
     waiter = threading.Thread(target=lambda: woke.append(joiner.watch(ROUND + "ctl/", since, 60)))
     waiter.start()
-    time.sleep(0.5)  # the watch is in place (if not yet, it starts from `since` anyway)
+    # The watch is in place on etcd: the control dir's and the rank key's watchers.
+    eventually(lambda: watchers(etcd) >= watching + 2, 30, "the joiner's watch to be in place")
     observer.multi_set([ROUND + "rank/h:0:a", ROUND + "rank/h:1:b"], ["a", "b"])  # as sealers do past
     observer.set(ROUND + "ctl/status", "s")  # 126 members: ranks first, the status last
     waiter.join(60)
