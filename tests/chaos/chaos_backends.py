@@ -9,11 +9,11 @@ import logging
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Protocol
 
 from _launcher import Launcher, LoggedProcess, free_port
+from _waiting import eventually
 
 from rdzv.errors import RendezvousError
 from rdzv.store import Store, TCPStore
@@ -42,15 +42,8 @@ class Backend(Protocol):
 
 
 def wait_listening(port: int, timeout: float = SERVER_START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no store server listening on port {port} after {timeout:g} s")
-            time.sleep(0.05)
+    eventually(lambda: socket.create_connection(("127.0.0.1", port), timeout=1.0).close() or True,
+               timeout, f"a store server listening on port {port}", ignoring=(OSError,))
 
 
 class TcpBackend:
@@ -160,19 +153,16 @@ class AckChecker:
     def missing(self) -> tuple[int, int]:
         """(acknowledged writes, how many of them are not intact), read by a new client."""
         acked = self.acked
-        deadline = time.monotonic() + CHECK_TIMEOUT
-        while True:
+
+        def read() -> tuple[dict[str, bytes]]:
+            store = self._client()
             try:
-                store = self._client()
-                try:
-                    stored = store.list_keys(CHECK_PREFIX)
-                finally:
-                    store.close()
-                break
-            except RendezvousError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+                return (store.list_keys(CHECK_PREFIX),)
+            finally:
+                store.close()
+
+        (stored,) = eventually(read, CHECK_TIMEOUT, "the checker's keys read by a new client",
+                               ignoring=(RendezvousError,))  # the server may be coming back
         return acked, sum(stored.get(f"{CHECK_PREFIX}{i}") != str(i).encode()
                           for i in range(acked))
 
