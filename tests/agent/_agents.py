@@ -12,7 +12,6 @@ from _waiting import eventually as wait_for  # noqa: F401 (re-exported to the te
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_worker.py")
-POLL = 0.05
 JOIN = 180.0
 """Seconds for a round to form and its workers to start on a loaded machine."""
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 import pytest
 
-from _agents import JOIN, POLL, WORKER, pid_alive, wait_for, worker_records
+from _agents import JOIN, WORKER, pid_alive, wait_for, worker_records
 from _launcher import RDZV_RUN, Launcher, LoggedProcess, free_port
 
 
@@ -26,12 +25,12 @@ def agents(tmp_path: Any) -> Any:
     group.kill_all()
     survivors = []
     for record in worker_records(str(tmp_path / "out")) if (tmp_path / "out").exists() else []:
-        deadline = time.monotonic() + 60.0
-        while pid_alive(record["pid"]) and time.monotonic() < deadline:
-            time.sleep(POLL)
-        if pid_alive(record["pid"]):
-            os.kill(record["pid"], signal.SIGKILL)
-            survivors.append(record["pid"])
+        pid = record["pid"]
+        try:
+            wait_for(lambda pid=pid: not pid_alive(pid), 60.0, f"worker {pid} to end")
+        except AssertionError:
+            os.kill(pid, signal.SIGKILL)
+            survivors.append(pid)
     assert not survivors, f"worker(s) {survivors} outlived their agent"
 
 
