@@ -58,7 +58,9 @@ def test_status_follows_a_run_from_forming_to_closed(agents: Any, rdzv: Any) -> 
     text = status(rdzv).stdout
     assert "run job: complete" in text and "3 node(s)" in text and "127.0.0.1" in text
 
-    time.sleep(1.5)  # (so that "up" since the agent's start and since the round differ)
+    # "up" since the agent's start and since the round must differ: the agents are up 1.5 s
+    wait_for(lambda: all(m["started_s_ago"] > 1.5 for m in status_json(rdzv)["members"]), JOIN,
+             "the status to show every agent up for more than 1.5 s")
     killed = time.monotonic()
     os.killpg(nodes[2].pid, signal.SIGKILL)
     nodes[2].wait()
