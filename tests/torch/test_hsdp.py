@@ -43,6 +43,15 @@ def rdzv_run(tmp_path: Path, port: int, nnodes: str, steps: int, restarts: int =
             "--step-sleep", "0.03"]
 
 
+def phase(condition: Any, what: str, *nodes: Any) -> None:
+    """Wait for ``condition``; past :data:`PHASE_TIMEOUT` fail with what the nodes said."""
+    try:
+        wait_for(condition, PHASE_TIMEOUT, what)
+    except AssertionError as exc:
+        said = "\n".join(f"--- node {i}:\n{node.output()[-4000:]}" for i, node in enumerate(nodes))
+        raise AssertionError(f"{exc}\n{said}") from None
+
+
 @pytest.mark.timeout(900)
 def test_sharded_training_survives_a_join_a_leave_and_a_kill_in_process(
         launcher: Launcher, tmp_path: Path) -> None:
@@ -55,13 +64,13 @@ def test_sharded_training_survives_a_join_a_leave_and_a_kill_in_process(
     def steps_at(world_size: int, after: int = 0) -> int:
         return sum(1 for e in lines(log)[after:] if e["world_size"] == world_size)
 
-    wait_for(lambda: steps_at(4) >= 20, PHASE_TIMEOUT, "20 steps of 2 nodes")
+    phase(lambda: steps_at(4) >= 20, "20 steps of 2 nodes", first, second)
     third = launcher.start(args)
-    wait_for(lambda: steps_at(6) >= 20, PHASE_TIMEOUT, "20 steps of 3 nodes after a join")
+    phase(lambda: steps_at(6) >= 20, "20 steps of 3 nodes after a join", first, second, third)
     before = len(lines(log))
     second.signal(signal.SIGTERM)  # the agent only: its workers train on until the switch
     assert second.wait(PHASE_TIMEOUT) == 0, second.output()[-5000:]
-    wait_for(lambda: steps_at(4, before) >= 20, PHASE_TIMEOUT, "20 steps after a graceful leave")
+    phase(lambda: steps_at(4, before) >= 20, "20 steps after a graceful leave", first, third)
     os.killpg(third.pid, signal.SIGKILL)  # the agent and both its workers, mid-step
     third.wait(PHASE_TIMEOUT)
     assert first.wait(PHASE_TIMEOUT * 2) == 0, first.output()[-8000:]
