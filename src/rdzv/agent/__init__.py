@@ -4,17 +4,27 @@ Workers use :func:`record` to have their traceback shown in the agent's failure 
 """
 
 from ._agent import ElasticAgent
-from ._config import ConfigError, LaunchConfig, add_run_arguments, config_from_args
+from ._config import (
+    ConfigError,
+    LaunchConfig,
+    add_run_arguments,
+    config_from_args,
+    parse_rdzv_conf,
+)
 from ._errors import record
 from ._launch import launch, run_from_args
+from ._round import ALIVE_DIR, wait_until_others_left
 
 __all__ = [
+    "ALIVE_DIR",
     "ConfigError",
     "ElasticAgent",
     "LaunchConfig",
     "add_run_arguments",
     "config_from_args",
     "launch",
+    "parse_rdzv_conf",
     "record",
     "run_from_args",
+    "wait_until_others_left",
 ]

@@ -21,8 +21,7 @@ from typing import Any, Mapping
 from .._address import parse_endpoint
 from .._messages import PROGRESS_EVERY
 from ..errors import RendezvousParameterError
-from ..rendezvous import canonical_backend
-from ..rendezvous._params import backend_spec
+from ..rendezvous import backend_spec, canonical_backend
 from ._environment import derive
 from ._slurm import SlurmError
 

@@ -10,9 +10,7 @@ import time
 from typing import Any, Mapping
 
 from ..errors import RendezvousError
-from ..rendezvous import RendezvousHandler, RendezvousInfo
-from ..rendezvous._history_facts import why_lost
-from ..rendezvous._status import AGENT_NODES
+from ..rendezvous import AGENT_NODES, RendezvousHandler, RendezvousInfo, why_lost
 from ._errors import WorkerFailure, signal_name
 from ._round import ALIVE_DIR, HEARTBEAT_EVERY, SEEN_DIR
 

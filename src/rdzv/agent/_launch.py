@@ -37,8 +37,8 @@ def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
 
 def standalone_handler(config: LaunchConfig) -> tuple[RendezvousHandler, LaunchConfig]:
     """A one-node rendezvous on a store server embedded in this process, on a free port."""
-    from ..rendezvous._engine import DynamicRendezvousHandler
-    from ..store._tcp import TCPStore
+    from ..rendezvous import DynamicRendezvousHandler
+    from ..store import TCPStore
 
     params = rendezvous_parameters(config)
     store = TCPStore(STANDALONE_HOST, 0, is_master=True, timeout=params.get_option("read_timeout"))

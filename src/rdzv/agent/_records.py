@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 from ..errors import RendezvousStateError
-from ..rendezvous._status import AGENT_NODES
+from ..rendezvous import AGENT_NODES
 
 VERSION = 1
 RECORD_DIR = AGENT_NODES

@@ -12,9 +12,13 @@ import logging
 import time
 from typing import Any
 
-from ..rendezvous import RendezvousInfo
-from ..rendezvous._node import PortReservation
-from ..rendezvous._status import AGENT_ALIVE, AGENT_LEAVING, AGENT_STRAGGLERS
+from ..rendezvous import (
+    AGENT_ALIVE,
+    AGENT_LEAVING,
+    AGENT_STRAGGLERS,
+    PortReservation,
+    RendezvousInfo,
+)
 from ..store import Store
 
 logger = logging.getLogger(__name__)

@@ -26,9 +26,8 @@ def _positive_size(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..monitor._cli import add_web_flag
-    from ..server._budget import DEFAULT_MEMORY_BUDGET
-    from ..server import DEFAULT_MAX_FRAME_SIZE
+    from ..monitor import add_web_flag
+    from ..server import DEFAULT_MAX_FRAME_SIZE, DEFAULT_MEMORY_BUDGET
 
     parser = subparsers.add_parser(
         "serve",
@@ -121,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
             budget_covers_process=True,  # the process is the server's alone
         )
         if args.web is not None:
-            from ..monitor._cli import monitor_store_server
+            from ..monitor import monitor_store_server
 
             monitor = monitor_store_server(server, args.web, secret, args.web_secret_file)
         server.serve_forever()

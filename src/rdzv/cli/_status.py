@@ -23,7 +23,7 @@ closed run's last events); an event written later still comes with a later read.
 
 def register(subparsers: Any) -> None:
     """Add the ``status`` sub-command."""
-    from ..monitor._cli import add_web_flag
+    from ..monitor import add_web_flag
 
     parser = subparsers.add_parser(
         "status",
@@ -69,7 +69,7 @@ def _say(text: str) -> None:
 
 
 def _parameters(args: argparse.Namespace) -> Any:
-    from ..agent._config import ConfigError, parse_rdzv_conf
+    from ..agent import ConfigError, parse_rdzv_conf
     from ..rendezvous import RendezvousParameters, canonical_backend, parse_rendezvous_url
 
     if args.url:
@@ -96,10 +96,15 @@ def _parameters(args: argparse.Namespace) -> Any:
 
 def status_command(args: argparse.Namespace) -> int:
     from ..errors import RendezvousError
-    from ..rendezvous._layout import RunKeys
-    from ..rendezvous._status import format_status, open_store, read_status, unknown_run
     from .._patience import notice_if_slow
-    from ..rendezvous._timeline import parse_since
+    from ..rendezvous import (
+        RunKeys,
+        format_status,
+        open_store,
+        parse_since,
+        read_status,
+        unknown_run,
+    )
 
     if args.interval <= 0 or args.count < 0:
         print("rdzv status: error: --interval must be > 0 and --count >= 0", file=sys.stderr)
@@ -187,9 +192,7 @@ def events_command(args: argparse.Namespace, store: "Store", run_id: str) -> int
     """``--events``: print the history of ``run_id`` as a timeline or JSON lines, once or
     followed (the store is closed by the caller)."""
     from ..errors import RendezvousError
-    from ..rendezvous._history import EventLog, events_dir, read_events
-    from ..rendezvous._layout import RunKeys
-    from ..rendezvous._timeline import parse_since
+    from ..rendezvous import EventLog, RunKeys, events_dir, parse_since, read_events
 
     try:
         since_time = parse_since(args.since, time.time()) if args.since is not None else None
@@ -239,7 +242,7 @@ def events_command(args: argparse.Namespace, store: "Store", run_id: str) -> int
 
 
 def _print(event: "RunEvent", as_json: bool) -> None:
-    from ..rendezvous._timeline import format_event
+    from ..rendezvous import format_event
 
     print(json.dumps(event.to_json()) if as_json else format_event(event), flush=True)
 
@@ -248,7 +251,7 @@ def _serve_web(params: Any, address: tuple[str, int], web_secret_file: str | Non
                store: Any) -> int:
     """``--web``: serve the run's live page and /metrics until Ctrl-C."""
     from ..errors import RendezvousError, RendezvousParameterError
-    from ..monitor._cli import monitor_run, serve_until_interrupted
+    from ..monitor import monitor_run, serve_until_interrupted
 
     store.close()  # (opened to check the run's store is reachable; the view opens its own)
     try:

@@ -17,9 +17,11 @@ from .._lazy import lazy_exports
 if TYPE_CHECKING:  # (the names a type checker sees; at run time they load on first use)
     from ..errors import SourceUnavailable as SourceUnavailable
     from ._cli import DEFAULT_HOST as DEFAULT_HOST
+    from ._cli import add_web_flag as add_web_flag
     from ._cli import monitor_run as monitor_run
     from ._cli import monitor_store_server as monitor_store_server
     from ._cli import parse_web_address as parse_web_address
+    from ._cli import serve_until_interrupted as serve_until_interrupted
     from ._http import MonitorServer as MonitorServer
     from ._prometheus import MonitorCollector as MonitorCollector
     from ._prometheus import RunTotals as RunTotals
@@ -28,7 +30,9 @@ if TYPE_CHECKING:  # (the names a type checker sees; at run time they load on fi
 
 _EXPORTS = {
     **{name: "._cli" for name in (
-        "DEFAULT_HOST", "monitor_run", "monitor_store_server", "parse_web_address")},
+        "DEFAULT_HOST", "add_web_flag", "monitor_run", "monitor_store_server", "parse_web_address",
+        "serve_until_interrupted",
+    )},
     "MonitorServer": "._http",
     **{name: "._prometheus" for name in ("MonitorCollector", "require_prometheus")},
     "RunSource": "._source",

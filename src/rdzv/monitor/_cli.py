@@ -114,8 +114,7 @@ def monitor_run(params: "RendezvousParameters", address: tuple[str, int],
     """A started monitor of the run of ``params``, guarded by the secret of ``web_secret_file``,
     else by its store's shared secret, resolved as the store client does (tcp: ``secret_file=``,
     else ``$RDZV_STORE_SECRET``)."""
-    from ..rendezvous import canonical_backend
-    from ..rendezvous._status import open_store
+    from ..rendezvous import canonical_backend, open_store
     from ..kv.auth import shared_secret
     from ._http import MonitorServer
     from ._source import RunSource

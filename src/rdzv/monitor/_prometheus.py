@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ..errors import RendezvousParameterError, SourceUnavailable
-from ..rendezvous._history import EVENT_KINDS, RESTART_CAUSES, EventLog
-from ..server._metrics import Histogram, HistogramSnapshot, ServerMetricsSnapshot
+from ..rendezvous import EVENT_KINDS, RESTART_CAUSES, EventLog
+from ..server import Histogram, HistogramSnapshot, ServerMetricsSnapshot
 from ._source import RunSource
 
 if TYPE_CHECKING:
-    from ..rendezvous._status import RunStatus
+    from ..rendezvous import RunStatus
 
 log = logging.getLogger(__name__)
 

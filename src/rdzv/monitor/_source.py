@@ -19,10 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import RendezvousError, SourceUnavailable
-from ..rendezvous._history import EventLog, events_dir, read_events
-from ..rendezvous._layout import ROOT, RunKeys
-from ..rendezvous._status import RunStatus, read_status
-from ..server._metrics import ServerMetricsSnapshot
+from ..rendezvous import ROOT, EventLog, RunKeys, RunStatus, events_dir, read_events, read_status
+from ..server import ServerMetricsSnapshot
 from ..store import Store
 
 log = logging.getLogger(__name__)

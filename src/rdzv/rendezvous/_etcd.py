@@ -23,10 +23,8 @@ from ..errors import (
     SessionExpiredError,
     StoreAuthenticationError,
 )
-from ..etcd._client import EtcdCompactedError, b64, unb64
-from ..etcd._writebehind import WriteBehindClient
-from ..store._base import Reads, Timeout, Value, to_bytes, to_seconds
-from ..store._etcd import EtcdStore
+from ..etcd import EtcdCompactedError, WriteBehindClient, b64, unb64
+from ..store import EtcdStore, Reads, Timeout, Value, to_bytes, to_seconds
 from ._api import RendezvousParameters
 from ._backend import dynamic_handler
 from ._engine import DynamicRendezvousHandler

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from ..store._file import FileStore
+from ..store import FileStore
 from ._api import RendezvousParameters
 from ._backend import dynamic_handler
 from ._engine import DynamicRendezvousHandler

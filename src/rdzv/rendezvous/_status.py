@@ -266,14 +266,14 @@ def format_status(status: RunStatus) -> str:
 def open_store(params: RendezvousParameters) -> Store:
     """A read-only client of the store of ``params``' backend (file, tcp/c10d, etcd, memory)."""
     if params.backend == "file":
-        from ..store._file import FileStore
+        from ..store import FileStore
         from ._file import store_path
 
         return FileStore(store_path(params.endpoint, params.run_id),
                          timeout=params.get_option("read_timeout"))
     if canonical_backend(params.backend) == "tcp":
         from ..kv.auth import shared_secret
-        from ..store._tcp import TCPStore
+        from ..store import TCPStore
         from ._tcp import split_endpoint
 
         host, port = split_endpoint(params.endpoint)

@@ -22,7 +22,7 @@ from typing import Callable
 from .._address import parse_endpoint
 from ..errors import StoreConnectionError
 from ..kv import auth
-from ..store._tcp import TCPStore
+from ..store import TCPStore
 from ._api import RendezvousParameters
 from ._backend import dynamic_handler
 from ._engine import DynamicRendezvousHandler

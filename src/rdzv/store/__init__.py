@@ -12,9 +12,15 @@ from .._lazy import lazy_exports
 from ..kv import DEFAULT_SESSION_TTL
 from ._base import (
     DEFAULT_TIMEOUT,
+    Conditions,
     Reads,
     Store,
     StoreCapabilities,
+    Timeout,
+    Value,
+    check_key,
+    to_bytes,
+    to_seconds,
 )
 
 if TYPE_CHECKING:
@@ -33,6 +39,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Conditions",
     "DEFAULT_SESSION_TTL",
     "DEFAULT_TIMEOUT",
     "EtcdStore",
@@ -43,6 +50,11 @@ __all__ = [
     "Store",
     "StoreCapabilities",
     "TCPStore",
+    "Timeout",
+    "Value",
+    "check_key",
+    "to_bytes",
+    "to_seconds",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -21,17 +21,17 @@ from ..errors import (
     StoreTimeoutError,
     StoreValueError,
 )
-from ..etcd._client import (
+from ..etcd import (
     MAX_TXN_OPS,
     EtcdAmbiguousError,
     EtcdClient,
     EtcdCompactedError,
+    EtcdLease,
+    EtcdOptions,
     b64,
     prefix_range_end,
     unb64,
 )
-from ..etcd._lease import EtcdLease
-from ..etcd._options import EtcdOptions
 from ..kv import DEFAULT_SESSION_TTL, compare_set_result, parse_counter
 from ._base import (
     DEFAULT_TIMEOUT,

@@ -20,7 +20,7 @@ from typing import Any, Callable, NoReturn, cast
 from torch.distributed.elastic.rendezvous import api as torch_api
 
 from .. import errors
-from ..agent._round import ALIVE_DIR, wait_until_others_left
+from ..agent import ALIVE_DIR, wait_until_others_left
 from ..rendezvous import (
     RendezvousHandler,
     RendezvousInfo,

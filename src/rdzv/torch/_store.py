@@ -9,8 +9,8 @@ ephemeral keys...) so that it is still an rdzv Store as well.
 
 Errors are torch's as well as rdzv's (:mod:`._errors`): a timeout is a
 ``torch.distributed.DistStoreError`` and an :class:`~rdzv.errors.StoreTimeoutError`. The
-queues (``queue_push``, ``queue_pop``, ``queue_len``) are rdzv's (:mod:`rdzv.store._queue`), run
-through the adapter (a blocking pop waits for torch's timeout).
+queues (``queue_push``, ``queue_pop``, ``queue_len``) are rdzv's (:class:`rdzv.store.Store`'s own
+methods), run through the adapter (a blocking pop waits for torch's timeout).
 
 The blocking calls use the timeout torch keeps in C++ (``TorchStore.timeout``), which torch's
 own code may change through a ``PrefixStore`` without calling Python; ``set_timeout`` from Python
@@ -25,14 +25,14 @@ from typing import ContextManager, Sequence, cast
 
 import torch.distributed as dist
 
-from ..store import Store, StoreCapabilities, _queue
-from ..store._base import (
+from ..store import (
     Conditions,
     Reads,
+    Store,
+    StoreCapabilities,
     Timeout,
     Value,
     check_key,
-    to_bytes,
     to_seconds,
 )
 from ._errors import torch_errors
@@ -77,8 +77,8 @@ class TorchStore(dist.Store):
         return self._store.capabilities
 
     def _as_queue_store(self) -> Store:
-        """This adapter as the rdzv Store it is registered as (for the queue operations, which
-        then use torch's timeout, the C++ property)."""
+        """This adapter as the rdzv Store it is registered as (for :class:`Store`'s queue
+        operations, which then use torch's timeout, the C++ property)."""
         return cast(Store, self)
 
     def _seconds(self) -> float:
@@ -154,15 +154,15 @@ class TorchStore(dist.Store):
 
     @torch_errors
     def queue_push(self, key: str, value: Value) -> None:  # type: ignore[override]
-        _queue.push(self._as_queue_store(), check_key(key), to_bytes(value))
+        Store.queue_push(self._as_queue_store(), key, value)
 
     @torch_errors
     def queue_pop(self, key: str, block: bool = True) -> bytes:  # type: ignore[override]
-        return _queue.pop(self._as_queue_store(), check_key(key), bool(block))
+        return Store.queue_pop(self._as_queue_store(), key, block)
 
     @torch_errors
     def queue_len(self, key: str) -> int:  # type: ignore[override]
-        return _queue.length(self._as_queue_store(), check_key(key))
+        return Store.queue_len(self._as_queue_store(), key)
 
     def has_extended_api(self) -> bool:  # type: ignore[override]
         return True
