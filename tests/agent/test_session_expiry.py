@@ -2,8 +2,9 @@
 round formed (it was SIGSTOPped past its session ttl just then): it re-forms, not exit 1.
 
 The other node of the run is this test, joining through the library's own rendezvous handler,
-so that it can seal the round at the moment the agent is stopped. The store is a standalone
-``python -m rdzv serve``, so that stopping the agent stops no server.
+so that it can seal the round at the moment the agent is stopped. The store is a server in this
+process, not the agent's, so that stopping the agent stops no server, and so that the test sees
+the agent wait on it and its session expire.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from _agents import JOIN, wait_for
-from _launcher import PYTHON, Launcher, free_port
+from _launcher import PYTHON, free_port
 
 from rdzv.agent._decide import DecideContext, decide
 from rdzv.agent._records import (
@@ -34,6 +35,7 @@ from rdzv.agent._records import (
 from rdzv.agent._watch import read_records
 from rdzv.rendezvous import RendezvousInfo, RendezvousParameters, get_rendezvous_handler
 from rdzv.rendezvous._layout import RunKeys
+from rdzv.server import StoreServer
 from rdzv.store import TCPStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -45,13 +47,11 @@ HEARTBEAT, MISSES = 2.0, 3
 def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
     agents: Any, tmp_path: Any
 ) -> None:
-    port = free_port()
-    endpoint = f"127.0.0.1:{port}"
-    servers = Launcher(tmp_path, "server")
-    try:
-        server = servers.start([PYTHON, "-m", "rdzv", "serve", "--host", "127.0.0.1",
-                                "--port", str(port)])
-        wait_for(lambda: "listening on" in server.output(), JOIN, "the store server")
+    with StoreServer("127.0.0.1", 0) as server:
+        port = server.port
+        endpoint = f"127.0.0.1:{port}"
+        core = server._core
+        assert core is not None
         conf = f"heartbeat_interval={HEARTBEAT},heartbeat_misses={MISSES},is_host=0"
         node = agents.start([
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "tcp",
@@ -62,7 +62,9 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
         observer = TCPStore("127.0.0.1", port, timeout=30)
         joined = RunKeys("job").nodes(0)
         wait_for(lambda: observer.count_keys(joined) == 1, JOIN, "the agent joined round 0")
-        time.sleep(0.5)  # it waits on the server for the round (a 2 s chunk)
+        control = RunKeys("job").ctl(0)
+        wait_for(lambda: core.waiters.get(control), JOIN,
+                 "the agent to wait on the server for the round (a 2 s chunk)")
         node.signal(signal.SIGSTOP)
         me = get_rendezvous_handler(RendezvousParameters(
             "tcp", endpoint, "job", 2, 2, heartbeat_interval=HEARTBEAT, heartbeat_misses=MISSES,
@@ -72,7 +74,8 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
         assert info.world_size == 2
         # The agent's session ends 6 s after its last request; then it may go on.
         wait_for(lambda: observer.count_keys(joined) <= 1, JOIN, "the agent's session expired")
-        time.sleep(1.0)
+        wait_for(lambda: server.metrics().sessions_expired == 1, JOIN,
+                 "the server to count the agent's session as expired")
         node.signal(signal.SIGCONT)
         try:
             wait_for(lambda: "re-forming" in node.output() or node.process.poll() is not None,
@@ -93,8 +96,6 @@ def test_a_session_expiring_while_ranks_are_assigned_makes_the_agent_reform(
         assert "cannot go on without this one" in node.output()
         me.shutdown()
         observer.close()
-    finally:
-        servers.kill_all()
 
 
 def play_a_node_without_workers(info: RendezvousInfo) -> None:
