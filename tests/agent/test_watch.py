@@ -5,21 +5,30 @@ control keys each time (N waiting nodes, a transition of T seconds: N x T / WAIT
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Sequence
+
+from _agents import wait_for
 
 from rdzv.agent._protocol import Decided, RecordsIn
 from rdzv.agent._records import DECISION_KEY, Decision, Kind, dumps_decision, ready_key
 from rdzv.agent._watch import WAIT_SLICE, watch_round
-from rdzv.store import HashStore, Reads
+from rdzv.store import HashStore, Reads, Timeout
 
 
 class CountingStore(HashStore):
-    """A HashStore that counts its read_many calls (one per read of the control keys)."""
+    """A HashStore that counts its read_many calls (one per read of the control keys) and the
+    watch calls that returned (one per slice)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads = 0
+        self.watches = 0
+
+    def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
+        try:
+            return super().watch(path, since, timeout)
+        finally:
+            self.watches += 1
 
     def read_many(self, keys: Sequence[str] = (), counts: Sequence[str] = (),
                   revisions: Sequence[str] = (), lists: Sequence[str] = ()) -> Reads:
@@ -41,13 +50,11 @@ def test_a_waiting_node_reads_the_control_keys_only_when_they_changed() -> None:
     store = CountingStore()
     posted, stopped = watching(store, coordinator=False, timeout=60.0)
     try:
-        time.sleep(4 * WAIT_SLICE + 0.1)  # four slices without a change
+        wait_for(lambda: store.watches >= 4, 30 * WAIT_SLICE, "four slices without a change")
         assert store.reads == 1 and posted == []
         decision = Decision(Kind.STAY, "d1")
         store.set(DECISION_KEY, dumps_decision(decision))
-        deadline = time.monotonic() + 5.0
-        while not posted and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: posted, 5.0, "the decision posted")
         assert posted == [Decided(1, decision)] and store.reads == 2
     finally:
         stopped.set()
@@ -58,9 +65,7 @@ def test_the_coordinator_gets_what_there_is_at_its_deadline_without_a_change() -
     store.set(ready_key(0), b"1")  # one of two records final: the wait ends at the deadline
     posted, stopped = watching(store, coordinator=True, timeout=3 * WAIT_SLICE)
     try:
-        deadline = time.monotonic() + 5.0
-        while not posted and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: posted, 5.0, "the records posted at the coordinator's deadline")
         assert len(posted) == 1 and isinstance(posted[0], RecordsIn) and posted[0].timed_out
         assert posted[0].records == {0: None, 1: None} and store.reads == 2
     finally:
