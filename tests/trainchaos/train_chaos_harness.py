@@ -47,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # _training, when run as a script
 
 from _training import HOST, JobSpec, TrainingJob, free_port, read_jsonl, send  # noqa: E402
+from _waiting import eventually  # noqa: E402
 from train_chaos_checks import (Analysis, Limits, Observed, analyse,  # noqa: E402
                                 count_restarts, parse_checks, parse_steps, ratio_of, seconds,
                                 summary, targets)
@@ -130,15 +131,20 @@ class Soak:
         command = [sys.executable, "-m", "rdzv", "serve", "--host", HOST,
                    "--port", str(self.job.spec.port), "--log-level", "WARNING"]
         server = self.job.spawn(command, "server.log")
-        deadline = time.monotonic() + SERVER_TIMEOUT
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                socket.create_connection((HOST, self.job.spec.port), timeout=1.0).close()
-                return
-            except OSError:
-                time.sleep(TICK)
-        raise RuntimeError(f"rdzv serve on port {self.job.spec.port} did not start: "
-                           + (self.work / "server.log").read_text(errors="replace")[-2000:])
+
+        def listening() -> bool:
+            if server.poll() is not None:
+                raise RuntimeError(f"rdzv serve exited with code {server.returncode}")
+            socket.create_connection((HOST, self.job.spec.port), timeout=1.0).close()
+            return True
+
+        try:
+            eventually(listening, SERVER_TIMEOUT, f"rdzv serve on port {self.job.spec.port}",
+                       ignoring=(OSError,))
+        except (AssertionError, RuntimeError) as exc:
+            raise RuntimeError(f"rdzv serve on port {self.job.spec.port} did not start ({exc}): "
+                               + (self.work / "server.log").read_text(errors="replace")[-2000:]
+                               ) from None
 
     def service(self) -> None:
         """One tick: resume the stops that are due, note which processes belong to which node,
@@ -272,13 +278,19 @@ class Soak:
         agents = [p for p in job.nodes if p.poll() is None]
         send([p.pid for p in agents], signal.SIGTERM)
         again = time.monotonic() + AGAIN if self.launcher.startswith("rdzv") else None
-        deadline = time.monotonic() + CLEANUP_WAIT
-        while time.monotonic() < deadline and any(p.poll() is None for p in agents):
+
+        def ended() -> bool:
+            nonlocal again
             if again is not None and time.monotonic() >= again:
                 send([p.pid for p in agents if p.poll() is None], signal.SIGTERM)
                 again = None
             job.track()
-            time.sleep(TICK)
+            return not any(p.poll() is None for p in agents)
+
+        try:
+            eventually(ended, CLEANUP_WAIT, "the agents to end after the cleanup's SIGTERM")
+        except AssertionError:
+            pass  # those still running are named and SIGKILLed below
         for node, process in enumerate(job.nodes):
             if process.poll() is None:
                 self.notes.append(f"node {node}'s agent did not end within {CLEANUP_WAIT:g} s "
@@ -290,7 +302,11 @@ class Soak:
                 server.wait(SERVER_TIMEOUT)
             except subprocess.TimeoutExpired:  # the leftover check names it
                 pass
-        time.sleep(1.0)
+        try:  # a second's grace for the processes on their way out
+            eventually(lambda: all(pid in self.orphans for pid in job.alive()), 1.0,
+                       "the job's processes to end")
+        except AssertionError:
+            pass  # those still alive are the leftovers, named below
         for pid in job.alive():
             if pid not in self.orphans:
                 self.leftovers.append(f"pid {pid} ({command_of(pid)}) alive after the cleanup")
