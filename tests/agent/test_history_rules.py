@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from rdzv.agent._errors import WorkerError, WorkerFailure
-from rdzv.agent._history import failure_fields, heartbeat_every, lost_members, session_ttl
+from rdzv.agent._history import failure_fields, heartbeat_every, lost_members
 
 
 @pytest.mark.parametrize("alive, seen, now, expected", [
@@ -24,16 +24,6 @@ def test_lost_members(alive: dict[int, Any], seen: dict[int, float], now: float,
                       expected: dict[int, tuple[str, str, float | None]]) -> None:
     nodes = {0: "n0", 1: "n1", 2: "n2"}
     assert lost_members(3, alive, seen, nodes, now, 15.0) == expected
-
-
-@pytest.mark.parametrize("conf, ttl", [
-    ({}, 15.0),
-    ({"heartbeat_interval": "1", "heartbeat_misses": "5"}, 5.0),
-    ({"keep_alive_interval": "2", "keep_alive_max_attempt": "4"}, 8.0),
-    ({"heartbeat_interval": "x"}, 15.0),
-])
-def test_session_ttl(conf: dict[str, str], ttl: float) -> None:
-    assert session_ttl(conf) == ttl
 
 
 @pytest.mark.parametrize("ttl, every", [(15.0, 5.0), (60.0, 5.0), (3.0, 1.0), (0.9, 0.3)])

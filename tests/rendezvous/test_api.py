@@ -13,6 +13,7 @@ import pytest
 import rdzv
 import rdzv.errors
 import rdzv.rendezvous
+import rdzv.store
 from rdzv.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -156,3 +157,18 @@ def test_import_rdzv_loads_no_backend() -> None:
     assert set(json.loads(out.stdout)) <= {
         "rdzv.rendezvous._api", "rdzv.rendezvous._params", "rdzv.rendezvous._registry"
     }
+
+
+@pytest.mark.parametrize("backend, conf, ttl", [
+    ("tcp", {}, 15.0),
+    ("tcp", {"heartbeat_interval": "1", "heartbeat_misses": "5"}, 5.0),
+    ("etcd", {"keep_alive_interval": "2", "keep_alive_max_attempt": "4"}, 8.0),  # torch's names
+    ("file", {"heartbeat_interval": "0.5"}, 1.5),
+    ("static", {}, rdzv.store.DEFAULT_SESSION_TTL),  # no heartbeats: the store's default
+])
+def test_the_session_ttl_is_heartbeat_interval_times_misses(backend: str, conf: dict[str, str],
+                                                           ttl: float) -> None:
+    """The one rule every backend's store and the agent's loss reports use."""
+    endpoint = "/tmp/rdzv-ttl" if backend == "file" else "127.0.0.1:29400"
+    params = rdzv.rendezvous.RendezvousParameters(backend, endpoint, "job", 1, 2, **conf)
+    assert params.session_ttl == pytest.approx(ttl)

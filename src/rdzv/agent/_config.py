@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from .._address import parse_endpoint
 from .._messages import PROGRESS_EVERY
 from ..errors import RendezvousParameterError
-from ..rendezvous import backend_spec, canonical_backend
+from ..rendezvous import RendezvousParameters, backend_spec, canonical_backend
 from ._environment import derive
 from ._slurm import SlurmError
 
@@ -54,48 +54,6 @@ class StreamChoice:
 
     def streams(self, local_rank: int) -> frozenset[str]:
         return self.per_rank.get(local_rank, self.default)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Everything an agent needs to run one node of a job."""
-
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
-    rdzv_backend: str
-    rdzv_endpoint: str
-    run_id: str
-    rdzv_conf: Mapping[str, str]
-    command: tuple[str, ...]
-    """The worker command line: ``python -u script args``, ``python -u -m module`` or as given."""
-    standalone: bool = False
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    stop_timeout: float = 30.0
-    role: str = "default"
-    local_addr: str | None = None
-    log_dir: str | None = None
-    redirects: StreamChoice = StreamChoice()
-    tee: StreamChoice = StreamChoice()
-    node_rank: int | None = None
-    """Static jobs only: this node's rank (``--node-rank``)."""
-    restart_on_change: bool = False
-    """Restart the workers on every membership change, even when they could switch in-process."""
-    switch_timeout: float = 60.0
-    """Seconds an in-process switch may take before the agents restart the workers instead."""
-    leave_grace: float = 30.0
-    """Seconds a node asked to leave (SIGTERM, SIGINT) keeps training while the others move on."""
-    hang_timeout: float | None = None
-    """Seconds a worker may make no progress before it is checked for a hang (None: derived
-    from its step time; 0: off)."""
-    straggler_factor: float = 1.5
-    """A node whose steps take this many times the others' own work is a straggler (0: off)."""
-    replace_stragglers: bool = False
-    """Ask a straggler to leave when a spare can take its place."""
-    origins: Mapping[str, str] = field(default_factory=dict, compare=False)
-    """Where each flag's value came from: the flag, its ``PET_*`` env var, ``Slurm: ...`` or
-    ``default`` (by flag name, and ``rdzv_conf:KEY`` for rendezvous options Slurm set)."""
 
 
 # (dest, flags, help, kind, default); kind: str, int, float, flag.
@@ -162,6 +120,60 @@ _OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
     ("no_python", ("--no-python", "--no_python"),
      "Run the training script as an executable, not with python.", "flag", False),
 )
+
+DEFAULTS: dict[str, Any] = {dest: default for dest, _flags, _text, _kind, default in _OPTIONS}
+"""Each flag's default: the one table above gives them to the flags, their help and the
+:class:`LaunchConfig` built without them."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything an agent needs to run one node of a job."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    run_id: str
+    rdzv_conf: Mapping[str, str]
+    command: tuple[str, ...]
+    """The worker command line: ``python -u script args``, ``python -u -m module`` or as given."""
+    standalone: bool = DEFAULTS["standalone"]
+    max_restarts: int = DEFAULTS["max_restarts"]
+    monitor_interval: float = DEFAULTS["monitor_interval"]
+    stop_timeout: float = DEFAULTS["stop_timeout"]
+    role: str = DEFAULTS["role"]
+    local_addr: str | None = None
+    log_dir: str | None = None
+    redirects: StreamChoice = StreamChoice()
+    tee: StreamChoice = StreamChoice()
+    node_rank: int | None = None
+    """Static jobs only: this node's rank (``--node-rank``)."""
+    restart_on_change: bool = DEFAULTS["restart_on_change"]
+    """Restart the workers on every membership change, even when they could switch in-process."""
+    switch_timeout: float = DEFAULTS["switch_timeout"]
+    """Seconds an in-process switch may take before the agents restart the workers instead."""
+    leave_grace: float = DEFAULTS["leave_grace"]
+    """Seconds a node asked to leave (SIGTERM, SIGINT) keeps training while the others move on."""
+    hang_timeout: float | None = None
+    """Seconds a worker may make no progress before it is checked for a hang (None: derived
+    from its step time; 0: off)."""
+    straggler_factor: float = DEFAULTS["straggler_factor"]
+    """A node whose steps take this many times the others' own work is a straggler (0: off)."""
+    replace_stragglers: bool = DEFAULTS["replace_stragglers"]
+    """Ask a straggler to leave when a spare can take its place."""
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """Where each flag's value came from: the flag, its ``PET_*`` env var, ``Slurm: ...`` or
+    ``default`` (by flag name, and ``rdzv_conf:KEY`` for rendezvous options Slurm set)."""
+
+    def rendezvous_parameters(self) -> RendezvousParameters:
+        """The rendezvous parameters of this node (ValueError if the backend rejects an
+        option)."""
+        return RendezvousParameters(self.rdzv_backend, self.rdzv_endpoint, self.run_id,
+                                    self.min_nodes, self.max_nodes, self.local_addr,
+                                    **self.rdzv_conf)
+
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,19 +41,6 @@ def failure_fields(failure: WorkerFailure) -> dict[str, Any]:
     return fields
 
 
-def session_ttl(rdzv_conf: Mapping[str, str]) -> float:
-    """The store session ttl the rendezvous options give (heartbeat_interval x misses)."""
-    def option(names: tuple[str, ...], default: float) -> float:
-        for name in names:
-            try:
-                return float(rdzv_conf[name])
-            except (KeyError, ValueError):
-                continue
-        return default
-    return (option(("heartbeat_interval", "keep_alive_interval"), 5.0)
-            * option(("heartbeat_misses", "keep_alive_max_attempt"), 3.0))
-
-
 def heartbeat_every(ttl: float) -> float:
     """Seconds between an agent's signs of life: at least three per session ttl, so that the
     silence of a lost member tells how it was lost (:func:`why_lost`)."""

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .._patience import notice_if_slow
 from ..errors import RendezvousError
-from ..rendezvous import RendezvousHandler, RendezvousParameters, get_rendezvous_handler
+from ..rendezvous import RendezvousHandler, get_rendezvous_handler
 from ._agent import ElasticAgent, say
 from ._config import ConfigError, LaunchConfig, check_command, config_from_args
 from ._environment import describe
@@ -27,20 +27,12 @@ FAILED = 1
 STANDALONE_HOST = "127.0.0.1"
 
 
-def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
-    """The rendezvous parameters of ``config`` (ValueError if the backend rejects an option)."""
-    return RendezvousParameters(
-        config.rdzv_backend, config.rdzv_endpoint, config.run_id, config.min_nodes,
-        config.max_nodes, config.local_addr, **config.rdzv_conf,
-    )
-
-
 def standalone_handler(config: LaunchConfig) -> tuple[RendezvousHandler, LaunchConfig]:
     """A one-node rendezvous on a store server embedded in this process, on a free port."""
     from ..rendezvous import DynamicRendezvousHandler
     from ..store import TCPStore
 
-    params = rendezvous_parameters(config)
+    params = config.rendezvous_parameters()
     store = TCPStore(STANDALONE_HOST, 0, is_master=True, timeout=params.get_option("read_timeout"))
     handler = DynamicRendezvousHandler(
         store, config.run_id, 1, 1, backend="tcp", local_addr=STANDALONE_HOST,
@@ -54,7 +46,7 @@ def open_handler(config: LaunchConfig) -> RendezvousHandler:
     """The rendezvous handler of ``config``'s backend (reaching its store); once that lasts a
     second, the console says what it waits for, how long at most, and the option that sets it
     (the store client then says why, every 10 s)."""
-    params = rendezvous_parameters(config)
+    params = config.rendezvous_parameters()
     try:
         how = (f"retrying for up to {params.get_option('read_timeout'):g} s (--rdzv-conf "
                "read_timeout=SECONDS)")
@@ -115,7 +107,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """The ``func`` of ``rdzv run``: check the flags, then launch."""
     try:
         config = config_from_args(args)
-        rendezvous_parameters(config)
+        config.rendezvous_parameters()
         if getattr(args, "print_config", False):  # (the script need not be on this machine)
             print(describe(config))
             return 0

@@ -44,7 +44,6 @@ from ._history import (
     heartbeat_every,
     record,
     report_losses,
-    session_ttl,
 )
 from ._protocol import (
     Act,
@@ -126,6 +125,8 @@ class NodeRun:
         config = agent.config
         self.agent, self.config, self.handler = agent, config, agent.handler
         self.events = agent.events
+        self.session_ttl = config.rendezvous_parameters().session_ttl
+        """The store sessions' ttl: how long a lost member stays silent before it is gone."""
         self.rules = Rules(config.nproc_per_node, config.max_restarts, config.switch_timeout,
                            config.leave_grace, config.restart_on_change, config.min_nodes,
                            hang_timeout=config.hang_timeout)
@@ -289,7 +290,7 @@ class NodeRun:
         self.watches.membership(gen, watch_membership(
             self.handler, info.store, gen, post,
             lambda spares: self.health.beat(info, gen, self.node, spares, post),
-            heartbeat_every(session_ttl(self.config.rdzv_conf)), self.config.monitor_interval))
+            heartbeat_every(self.session_ttl), self.config.monitor_interval))
         if transition:
             self.watches.round(gen, info.store, lambda store: watch_round(
                 store, gen, post, node.coordinator, node.nodes, self.rules.switch_timeout))
@@ -444,7 +445,7 @@ class NodeRun:
 
     def _act_losses(self) -> None:
         if self.group_info is not None:
-            report_losses(self.handler, self.group_info, session_ttl(self.config.rdzv_conf))
+            report_losses(self.handler, self.group_info, self.session_ttl)
 
     def _act_done(self) -> None:
         assert self.info is not None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
 from ..errors import RendezvousParameterError
-from ..store import Store
+from ..store import DEFAULT_SESSION_TTL, Store
 from ._params import check_config, convert_value, option_value
 from ._views import MembershipView, RoundChanges
 
@@ -330,6 +330,17 @@ class RendezvousParameters:
     def get_option(self, name: str) -> Any:
         """Option ``name`` of a built-in backend, converted to its declared type, or its default."""
         return option_value(self.backend, name, self.config)
+
+    @property
+    def session_ttl(self) -> float:
+        """Seconds after a node's last heartbeat at which the store ends its session (its
+        ephemeral keys go, the others see it lost): ``heartbeat_interval x heartbeat_misses``.
+        The one rule: every backend's store and the agent use it. A backend without heartbeats
+        (static) has the store's default."""
+        try:
+            return float(self.get_option("heartbeat_interval") * self.get_option("heartbeat_misses"))
+        except KeyError:
+            return DEFAULT_SESSION_TTL
 
     def _key(self) -> tuple[Any, ...]:
         return (

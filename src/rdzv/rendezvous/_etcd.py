@@ -255,7 +255,7 @@ def store_options(params: RendezvousParameters) -> dict[str, Any]:
     if credentials is not None:
         options.update(user=credentials[0], password=credentials[1])
     read_timeout = params.get_option("read_timeout")
-    ttl = params.get_option("heartbeat_interval") * params.get_option("heartbeat_misses")
+    ttl = params.session_ttl
     options.update(
         timeout=read_timeout,
         # A keep-alive stuck on a hung member must move on well before the lease expires.

@@ -31,10 +31,9 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
             "endpoint, e.g. file:///shared/rdzv/job-42"
         )
     os.makedirs(directory, exist_ok=True)
-    ttl = params.get_option("heartbeat_interval") * params.get_option("heartbeat_misses")
     store = FileStore(
         store_path(directory, params.run_id),
         timeout=params.get_option("read_timeout"),
-        session_ttl=ttl,
+        session_ttl=params.session_ttl,
     )
     return dynamic_handler(store, params, on_shutdown=store.close)

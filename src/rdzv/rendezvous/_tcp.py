@@ -72,7 +72,7 @@ def open_store(params: RendezvousParameters) -> tuple[TCPStore, bool, Callable[[
     options = dict(
         timeout=params.get_option("read_timeout"),
         secret=secret,
-        session_ttl=params.get_option("heartbeat_interval") * params.get_option("heartbeat_misses"),
+        session_ttl=params.session_ttl,
     )
     forced = params.get_option("is_host")
     if forced or (forced is None and is_local_host(host)):
