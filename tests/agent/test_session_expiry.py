@@ -14,26 +14,29 @@ import time
 from typing import Any
 
 import pytest
-
 from _agents import JOIN, wait_for
 from _launcher import PYTHON, free_port
 
 from rdzv.agent._decide import DecideContext, decide
 from rdzv.agent._records import (
-    DECISION_KEY,
-    READY_DIR,
     NodeRecord,
     SlotReport,
     SlotState,
-    assign_key,
     dumps_assignment,
     dumps_decision,
     dumps_record,
+)
+from rdzv.agent._watch import read_records
+from rdzv.rendezvous import (
+    AGENT_DECISION,
+    AGENT_READY,
+    RendezvousInfo,
+    RendezvousParameters,
+    assign_key,
+    get_rendezvous_handler,
     ready_key,
     record_key,
 )
-from rdzv.agent._watch import read_records
-from rdzv.rendezvous import RendezvousInfo, RendezvousParameters, get_rendezvous_handler
 from rdzv.rendezvous._layout import RunKeys
 from rdzv.server import StoreServer
 from rdzv.store import TCPStore
@@ -107,9 +110,9 @@ def play_a_node_without_workers(info: RendezvousInfo) -> None:
     info.store.set(ready_key(info.rank), b"1")
     if info.rank != 0:
         return
-    wait_for(lambda: info.store.count_keys(READY_DIR) == 2, JOIN, "the agent's record")
+    wait_for(lambda: info.store.count_keys(AGENT_READY) == 2, JOIN, "the agent's record")
     decision, assignments = decide(read_records(info.store, 2),
                                    DecideContext("t1", "test", time.time(), 2))
     info.store.multi_set([assign_key(decision.id, g) for g in assignments],
                          [dumps_assignment(a) for a in assignments.values()])
-    info.store.compare_set(DECISION_KEY, b"", dumps_decision(decision).encode())
+    info.store.compare_set(AGENT_DECISION, b"", dumps_decision(decision).encode())

@@ -10,8 +10,9 @@ from typing import Any, Sequence
 from _agents import wait_for
 
 from rdzv.agent._protocol import Decided, RecordsIn
-from rdzv.agent._records import DECISION_KEY, Decision, Kind, dumps_decision, ready_key
+from rdzv.agent._records import Decision, Kind, dumps_decision
 from rdzv.agent._watch import WAIT_SLICE, watch_round
+from rdzv.rendezvous import AGENT_DECISION, ready_key
 from rdzv.store import HashStore, Reads, Timeout
 
 
@@ -53,7 +54,7 @@ def test_a_waiting_node_reads_the_control_keys_only_when_they_changed() -> None:
         wait_for(lambda: store.watches >= 4, 30 * WAIT_SLICE, "four slices without a change")
         assert store.reads == 1 and posted == []
         decision = Decision(Kind.STAY, "d1")
-        store.set(DECISION_KEY, dumps_decision(decision))
+        store.set(AGENT_DECISION, dumps_decision(decision))
         wait_for(lambda: posted, 5.0, "the decision posted")
         assert posted == [Decided(1, decision)] and store.reads == 2
     finally:

@@ -13,10 +13,9 @@ from ._config import (
 )
 from ._errors import record
 from ._launch import launch, run_from_args
-from ._round import ALIVE_DIR, wait_until_others_left
+from ._round import wait_until_others_left
 
 __all__ = [
-    "ALIVE_DIR",
     "ConfigError",
     "ElasticAgent",
     "LaunchConfig",

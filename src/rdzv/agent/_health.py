@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import RendezvousError
-from ..rendezvous import RendezvousInfo
+from ..rendezvous import AGENT_ALIVE, AGENT_EVICT, AGENT_STRAGGLERS, RendezvousInfo
 from ._crew import Crew
 from ._history import record
 from ._protocol import Evicted, Node, Worker
-from ._round import ALIVE_DIR, EVICT_DIR, STRAGGLER_DIR, mark_alive
+from ._round import mark_alive
 from ._stragglers import Policy, Sample, Watch, assess
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def node_perf(node: Node) -> dict[str, Any]:
 
 
 def samples_of(entries: dict[str, bytes]) -> list[Sample]:
-    """The nodes' signs of life (``ALIVE_DIR`` keys -> entries) as samples; malformed ones
+    """The nodes' signs of life (``AGENT_ALIVE`` keys -> entries) as samples; malformed ones
     are skipped."""
     samples = []
     for key, raw in entries.items():
@@ -127,9 +127,9 @@ class Health:
         perf = {"node": self._node_id, "host": self._agent.host, **node_perf(node)}
         mark_alive(info, perf)
         if info.rank == 0 and self._policy.factor > 0:
-            post(PerfSeen(gen, samples_of(info.store.list_keys(ALIVE_DIR)), spares))
+            post(PerfSeen(gen, samples_of(info.store.list_keys(AGENT_ALIVE)), spares))
         if self._policy.replace and self._asked != gen:  # (every node runs with the flag)
-            asked = info.store.try_get(f"{EVICT_DIR}{info.rank}")
+            asked = info.store.try_get(f"{AGENT_EVICT}{info.rank}")
             if asked is not None:
                 self._asked = gen  # (once a round: a node that cannot leave says so once)
                 post(Evicted(asked.decode(errors="replace")))
@@ -152,11 +152,11 @@ class Health:
                 text = (f"{where} is a straggler: its work per step is {ratio:.2f}x the other "
                         f"nodes' (--straggler-factor {self._policy.factor:g})")
             elif verdict.kind == "cleared":
-                done = self._write(info.store.delete_key, f"{STRAGGLER_DIR}{sample.group_rank}")
+                done = self._write(info.store.delete_key, f"{AGENT_STRAGGLERS}{sample.group_rank}")
                 text = f"{where} is no longer a straggler ({ratio:.2f}x)"
             else:
                 why = f"a straggler at {ratio:.2f}x the others' work per step; a spare waits"
-                done = self._write(info.store.set, f"{EVICT_DIR}{sample.group_rank}", why)
+                done = self._write(info.store.set, f"{AGENT_EVICT}{sample.group_rank}", why)
                 text = f"asking {where} to leave: {why}"
             if done:
                 self._agent.say(text)
@@ -164,7 +164,7 @@ class Health:
                        group_rank=sample.group_rank, host=sample.host, ratio=ratio)
 
     def _flag(self, info: RendezvousInfo, sample: Sample, ratio: float) -> bool:
-        return self._write(info.store.set, f"{STRAGGLER_DIR}{sample.group_rank}",
+        return self._write(info.store.set, f"{AGENT_STRAGGLERS}{sample.group_rank}",
                            json.dumps({"ratio": round(ratio, 3), "node": sample.node}))
 
     @staticmethod

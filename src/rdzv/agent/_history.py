@@ -10,9 +10,16 @@ import time
 from typing import Any, Mapping
 
 from ..errors import RendezvousError
-from ..rendezvous import AGENT_NODES, RendezvousHandler, RendezvousInfo, why_lost
+from ..rendezvous import (
+    AGENT_ALIVE,
+    AGENT_NODES,
+    AGENT_SEEN,
+    RendezvousHandler,
+    RendezvousInfo,
+    why_lost,
+)
 from ._errors import WorkerFailure, signal_name
-from ._round import ALIVE_DIR, HEARTBEAT_EVERY, SEEN_DIR
+from ._round import HEARTBEAT_EVERY
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +86,14 @@ def report_losses(handler: RendezvousHandler, info: RendezvousInfo, ttl: float) 
     one write, on the loss path only; a store error is logged."""
     store = info.store
     try:
-        reads = store.read_many(lists=[ALIVE_DIR, SEEN_DIR, AGENT_NODES])
+        reads = store.read_many(lists=[AGENT_ALIVE, AGENT_SEEN, AGENT_NODES])
     except RendezvousError as exc:
         logger.warning("cannot tell which member was lost: %s", exc)
         return
-    alive = _ranked(reads.lists[ALIVE_DIR], ALIVE_DIR)
+    alive = _ranked(reads.lists[AGENT_ALIVE], AGENT_ALIVE)
     if info.rank in alive and info.rank != min(alive):
         return  # one report is enough: the lowest living rank's
-    seen = {rank: entry["time"] for rank, entry in _ranked(reads.lists[SEEN_DIR], SEEN_DIR).items()
+    seen = {rank: entry["time"] for rank, entry in _ranked(reads.lists[AGENT_SEEN], AGENT_SEEN).items()
             if isinstance(entry, dict) and isinstance(entry.get("time"), (int, float))}
     nodes = {rank: entry.get("node_id") for rank, entry
              in _ranked(reads.lists[AGENT_NODES], AGENT_NODES).items() if isinstance(entry, dict)}

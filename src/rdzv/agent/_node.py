@@ -31,12 +31,12 @@ from ..errors import (
     SessionExpiredError,
     StoreConnectionError,
 )
-from ..rendezvous import RendezvousInfo
+from ..rendezvous import AGENT_HINT, AGENT_LEAVING, AGENT_NEXT, RendezvousInfo, abandon_key
 from ._crew import Crew, Said
 from ._decide import DecideContext
 from ._errors import WorkerFailure, failure_summary
-from ._hang import hang_due
 from ._forming import Forming
+from ._hang import hang_due
 from ._health import Health, PerfSeen
 from ._history import (
     MAX_FAILURES,
@@ -63,18 +63,8 @@ from ._protocol import (
     Unreadable,
     Worker,
 )
-from ._records import (
-    HINT_KEY,
-    NEXT_KEY,
-    Assignment,
-    Decision,
-    Kind,
-    NodeRecord,
-    abandon_key,
-    dumps_decision,
-)
+from ._records import Assignment, Decision, Kind, NodeRecord, dumps_decision
 from ._round import (
-    LEAVING_DIR,
     all_done,
     hosts_store,
     mark_alive,
@@ -309,7 +299,7 @@ class NodeRun:
 
     def _act_hint(self, inprocess: bool) -> None:
         assert self.info is not None
-        self.info.store.set(HINT_KEY, b"1" if inprocess else b"0")
+        self.info.store.set(AGENT_HINT, b"1" if inprocess else b"0")
 
     def _act_decide(self, records: dict[int, NodeRecord | None], timed_out: bool) -> None:
         assert self.info is not None
@@ -399,7 +389,7 @@ class NodeRun:
         assert info is not None and node.leave is not None
         try:
             group = node.group
-            info.store.set(f"{LEAVING_DIR}{node.group_rank}", json.dumps(
+            info.store.set(f"{AGENT_LEAVING}{node.group_rank}", json.dumps(
                 {"time": time.time(), "host": self.agent.host,
                  "ranks": list(group.held(node.slots)) if group else []}))
             announced = self.handler.announce_leaving()
@@ -421,7 +411,7 @@ class NodeRun:
         on: the next round's kind and switch step."""
         old = self.group_info
         if old is not None and old is not self.info:
-            old.store.set(NEXT_KEY, dumps_decision(decision))
+            old.store.set(AGENT_NEXT, dumps_decision(decision))
 
     def _act_adopt(self, decision: Decision, mine: Assignment, newcomer: bool,
                    pause: float | None) -> None:

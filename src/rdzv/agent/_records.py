@@ -23,26 +23,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 from ..errors import RendezvousStateError
-from ..rendezvous import AGENT_NODES
 
 VERSION = 1
-RECORD_DIR = AGENT_NODES
-"""Each node's record, by group rank (``rdzv status`` reads host, pid and workers from it)."""
-READY_DIR = "agent/ready/"
-"""A key per node whose record is final: the coordinator counts them (one O(1) call)."""
-CTL_DIR = "agent/ctl/"
-"""What every node of the round watches: the decision, the hint, abandon marks (O(1) wake-ups)."""
-DECISION_KEY = CTL_DIR + "decision"
-HINT_KEY = CTL_DIR + "hint"
-"""Group rank 0's word, as soon as it knows, whether the job runs in-process (a newcomer then
-starts its workers at once, warm, before the decision)."""
-ABANDON_DIR = CTL_DIR + "abandon/"
-"""A node that left the round after its decision (a participant lost meanwhile) says so here."""
-ASSIGN_DIR = "agent/assign/"
-"""``<decision id>/<group rank>``: each node's place in the round the decision starts."""
-NEXT_KEY = "agent/next"
-"""In a round's store: how its members moved on (for a node that leaves it): the next round's
-kind and switch step, written by the next round's coordinator."""
 
 
 class SlotState(enum.Enum):
@@ -294,17 +276,3 @@ def loads_assignment(key: str, raw: bytes) -> Assignment:
                       **{name: data[name] for name in names})
 
 
-def assign_key(decision_id: str, group_rank: int) -> str:
-    return f"{ASSIGN_DIR}{decision_id}/{group_rank}"
-
-
-def abandon_key(group_rank: int) -> str:
-    return f"{ABANDON_DIR}{group_rank}"
-
-
-def record_key(group_rank: int) -> str:
-    return f"{RECORD_DIR}{group_rank}"
-
-
-def ready_key(group_rank: int) -> str:
-    return f"{READY_DIR}{group_rank}"

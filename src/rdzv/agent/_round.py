@@ -14,8 +14,8 @@ from typing import Any
 
 from ..rendezvous import (
     AGENT_ALIVE,
-    AGENT_LEAVING,
-    AGENT_STRAGGLERS,
+    AGENT_DONE,
+    AGENT_SEEN,
     PortReservation,
     RendezvousInfo,
 )
@@ -23,20 +23,8 @@ from ..store import Store
 
 logger = logging.getLogger(__name__)
 
-DONE_DIR = "agent/done/"
-ALIVE_DIR = AGENT_ALIVE
-"""Each node's ephemeral sign of life in its round's store: the wall time it last wrote it."""
-LEAVING_DIR = AGENT_LEAVING
-"""A node leaving gracefully writes its group rank here before it withdraws from the next round."""
-SEEN_DIR = "agent/seen/"
-"""The same sign of life as ``ALIVE_DIR`` but lasting: when a node's alive entry vanishes, how
-long it had been silent tells a lost connection from missed heartbeats (the history)."""
-STRAGGLER_DIR = AGENT_STRAGGLERS
-"""Group rank 0 flags a straggler here: its group rank -> the ratio of its work to the others'."""
-EVICT_DIR = "agent/evict/"
-"""Group rank 0 asks a node (its group rank) to leave for a spare here; the node reads it."""
 HEARTBEAT_EVERY = 5.0
-"""Seconds between refreshes of a node's ``ALIVE_DIR`` entry while its workers run."""
+"""Seconds between refreshes of a node's ``AGENT_ALIVE`` entry while its workers run."""
 
 
 _workers_port: PortReservation | None = None
@@ -54,22 +42,22 @@ def reserve_workers_port(addr: str) -> int:
 
 def mark_alive(info: RendezvousInfo, perf: dict[str, Any] | None = None) -> None:
     """Write this node's sign of life (the time now, and ``perf``: its workers' step times);
-    gone when its store session ends (its lasting copy, ``SEEN_DIR``, stays: one message with
+    gone when its store session ends (its lasting copy, ``AGENT_SEEN``, stays: one message with
     the alive entry)."""
     stamp = json.dumps({"time": time.time(), **(perf or {})})
     with info.store.batch():
-        info.store.set(f"{ALIVE_DIR}{info.rank}", stamp, ephemeral=True)
-        info.store.set(f"{SEEN_DIR}{info.rank}", stamp)
+        info.store.set(f"{AGENT_ALIVE}{info.rank}", stamp, ephemeral=True)
+        info.store.set(f"{AGENT_SEEN}{info.rank}", stamp)
 
 
 def mark_done(info: RendezvousInfo) -> None:
     """Mark this node as finished in its round; marking it again changes nothing."""
-    info.store.set(f"{DONE_DIR}{info.rank}", b"1")
+    info.store.set(f"{AGENT_DONE}{info.rank}", b"1")
 
 
 def all_done(info: RendezvousInfo) -> bool:
     """Whether every node of the round has finished."""
-    return info.store.count_keys(DONE_DIR) >= info.world_size
+    return info.store.count_keys(AGENT_DONE) >= info.world_size
 
 
 def hosts_store(store: Store) -> bool:
@@ -87,11 +75,11 @@ def wait_until_others_left(info: RendezvousInfo, timeout: float) -> None:
         return
     deadline = time.monotonic() + timeout
     while True:
-        since = store.revision(ALIVE_DIR)
-        if store.count_keys(ALIVE_DIR) <= 1:
+        since = store.revision(AGENT_ALIVE)
+        if store.count_keys(AGENT_ALIVE) <= 1:
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             logger.warning("not every node left within %.3g s", timeout)
             return
-        store.watch(ALIVE_DIR, since, remaining)
+        store.watch(AGENT_ALIVE, since, remaining)

@@ -11,27 +11,23 @@ import time
 
 from .._messages import Plan, PlanKind
 from ..errors import RendezvousStateError
+from ..rendezvous import AGENT_DECISION, AGENT_LEAVING, assign_key, ready_key, record_key
 from ..store import Store
 from ._config import LaunchConfig
 from ._decide import DecideContext, decide
 from ._protocol import Node, Worker
 from ._records import (
-    DECISION_KEY,
     Assignment,
     Decision,
     Kind,
     NodeRecord,
     SlotReport,
-    assign_key,
     dumps_assignment,
     dumps_decision,
     dumps_record,
     loads_assignment,
     loads_decision,
-    ready_key,
-    record_key,
 )
-from ._round import LEAVING_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +57,7 @@ def leaving_ranks(store: Store) -> tuple[int, ...]:
     """The global ranks, in the group of the round of ``store``, of the nodes that announced
     their leave there."""
     ranks: set[int] = set()
-    for raw in store.list_keys(LEAVING_DIR).values():
+    for raw in store.list_keys(AGENT_LEAVING).values():
         try:
             ranks.update(int(r) for r in json.loads(raw).get("ranks", []))
         except (ValueError, TypeError, AttributeError):
@@ -87,8 +83,8 @@ def write_decision(store: Store, records: dict[int, NodeRecord | None],
         ranks = sorted(assignments)
         store.multi_set([assign_key(decision.id, g) for g in ranks],
                         [dumps_assignment(assignments[g]) for g in ranks])
-    current = store.compare_set(DECISION_KEY, b"", dumps_decision(decision).encode())
-    return decision, loads_decision(DECISION_KEY, current)
+    current = store.compare_set(AGENT_DECISION, b"", dumps_decision(decision).encode())
+    return decision, loads_decision(AGENT_DECISION, current)
 
 
 def write_cancel(store: Store, by: str, group_rank: int) -> Decision:
@@ -96,7 +92,7 @@ def write_cancel(store: Store, by: str, group_rank: int) -> Decision:
     decision after it, the cancel or a decision written first."""
     cancel = Decision(Kind.CANCEL, os.urandom(6).hex(), by=by,
                       why=f"cancelled by group rank {group_rank}")
-    return loads_decision(DECISION_KEY, store.compare_set(DECISION_KEY, b"",
+    return loads_decision(AGENT_DECISION, store.compare_set(AGENT_DECISION, b"",
                                                           dumps_decision(cancel).encode()))
 
 

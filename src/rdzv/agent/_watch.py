@@ -18,7 +18,18 @@ import time
 from typing import Any, Callable
 
 from ..errors import RendezvousError, SessionExpiredError, StoreConnectionError
-from ..rendezvous import RendezvousHandler
+from ..rendezvous import (
+    AGENT_ABANDON,
+    AGENT_CTL,
+    AGENT_DECISION,
+    AGENT_DIR,
+    AGENT_HINT,
+    AGENT_LEAVING,
+    AGENT_NEXT,
+    AGENT_NODES,
+    AGENT_READY,
+    RendezvousHandler,
+)
 from ..store import Store
 from ._protocol import (
     Abandoned,
@@ -32,25 +43,12 @@ from ._protocol import (
     RecordsIn,
     Unreadable,
 )
-from ._records import (
-    ABANDON_DIR,
-    CTL_DIR,
-    DECISION_KEY,
-    HINT_KEY,
-    NEXT_KEY,
-    READY_DIR,
-    RECORD_DIR,
-    NodeRecord,
-    loads_decision,
-    loads_record,
-)
-from ._round import LEAVING_DIR
+from ._records import NodeRecord, loads_decision, loads_record
 
 logger = logging.getLogger(__name__)
 
 WAIT_SLICE = 0.25
 """Longest single blocking call of a watcher."""
-AGENT_DIR = "agent/"
 
 
 class Watcher:
@@ -96,7 +94,7 @@ def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
                 if stopped.is_set():
                     return
                 spares = max(0, view.waiting - view.moved)
-                leaving = store.count_keys(LEAVING_DIR) if view.alive < view.world_size else 0
+                leaving = store.count_keys(AGENT_LEAVING) if view.alive < view.world_size else 0
                 change = Changed(gen, lost=max(0, view.world_size - view.alive - leaving),
                                  leaving=leaving, waiting=view.newcomers, moved=view.moved,
                                  closed=view.closed or view.newer_round_sealed)
@@ -132,13 +130,13 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
     nodes waiting T seconds for a decision: N x T / WAIT_SLICE watches, not 5 times that)."""
 
     def body(stopped: threading.Event) -> None:
-        path = AGENT_DIR if coordinator else CTL_DIR
+        path = AGENT_DIR if coordinator else AGENT_CTL
         deadline = time.monotonic() + timeout
         since, hinted, decided, records_sent, abandoned = 0, False, False, False, 0
         while not stopped.is_set():
             try:
-                reads = store.read_many([DECISION_KEY, HINT_KEY],
-                                        [READY_DIR, ABANDON_DIR] if coordinator else [ABANDON_DIR],
+                reads = store.read_many([AGENT_DECISION, AGENT_HINT],
+                                        [AGENT_READY, AGENT_ABANDON] if coordinator else [AGENT_ABANDON],
                                         revisions=[path])
             except RendezvousError as exc:
                 if stopped.is_set():
@@ -148,22 +146,22 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
                 continue
             if stopped.is_set():
                 return
-            raw_hint, raw = reads.values[HINT_KEY], reads.values[DECISION_KEY]
+            raw_hint, raw = reads.values[AGENT_HINT], reads.values[AGENT_DECISION]
             if raw_hint is not None and not hinted:
                 hinted = True
                 post(Hinted(gen, raw_hint == b"1"))
             if raw is not None and not decided:
                 decided = True
                 try:
-                    post(Decided(gen, loads_decision(DECISION_KEY, raw)))
+                    post(Decided(gen, loads_decision(AGENT_DECISION, raw)))
                 except RendezvousError as exc:
                     post(Unreadable(gen, f"the round's decision cannot be read: {exc}"))
-            if reads.counts[ABANDON_DIR] > abandoned:
-                abandoned = reads.counts[ABANDON_DIR]
+            if reads.counts[AGENT_ABANDON] > abandoned:
+                abandoned = reads.counts[AGENT_ABANDON]
                 post(Abandoned(gen))
             timed_out = time.monotonic() >= deadline
             if coordinator and not decided and not records_sent and (
-                    reads.counts[READY_DIR] >= nodes or timed_out):
+                    reads.counts[AGENT_READY] >= nodes or timed_out):
                 records_sent = True
                 post(RecordsIn(gen, read_records(store, nodes), timed_out))
             since = max(since, reads.revisions[path])
@@ -186,7 +184,7 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
 def read_records(store: Store, nodes: int) -> dict[int, NodeRecord | None]:
     """Every node's record (None: missing or malformed, said in the log)."""
     found: dict[int, NodeRecord | None] = dict.fromkeys(range(nodes))
-    for key, raw in store.list_keys(RECORD_DIR).items():
+    for key, raw in store.list_keys(AGENT_NODES).items():
         try:
             rank = int(key.rsplit("/", 1)[1])
             if 0 <= rank < nodes:
@@ -205,16 +203,16 @@ def watch_next(store: Store, post: Callable[[Any], None],
         deadline = time.monotonic() + timeout
         while not stopped.is_set():
             try:
-                since = store.revision(NEXT_KEY)
-                raw = store.try_get(NEXT_KEY)
+                since = store.revision(AGENT_NEXT)
+                raw = store.try_get(AGENT_NEXT)
                 if raw is not None:
-                    post(NextSeen(loads_decision(NEXT_KEY, raw)))
+                    post(NextSeen(loads_decision(AGENT_NEXT, raw)))
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     post(NextSeen(None))
                     return
-                store.watch(NEXT_KEY, since, min(WAIT_SLICE, remaining))
+                store.watch(AGENT_NEXT, since, min(WAIT_SLICE, remaining))
             except RendezvousError as exc:
                 logger.warning("cannot learn whether the others moved on: %s", exc)
                 if stopped.wait(WAIT_SLICE) or time.monotonic() >= deadline:

@@ -37,7 +37,29 @@ from ._history import (
     events_dir,
     read_events,
 )
-from ._layout import ROOT, RunKeys
+from ._layout import (
+    AGENT_ABANDON,
+    AGENT_ALIVE,
+    AGENT_ASSIGN,
+    AGENT_CTL,
+    AGENT_DECISION,
+    AGENT_DIR,
+    AGENT_DONE,
+    AGENT_EVICT,
+    AGENT_HINT,
+    AGENT_LEAVING,
+    AGENT_NEXT,
+    AGENT_NODES,
+    AGENT_READY,
+    AGENT_SEEN,
+    AGENT_STRAGGLERS,
+    ROOT,
+    RunKeys,
+    abandon_key,
+    assign_key,
+    ready_key,
+    record_key,
+)
 from ._registry import (
     ENTRY_POINT_GROUP,
     RendezvousHandlerCreator,
@@ -55,10 +77,6 @@ if TYPE_CHECKING:  # (the names a type checker sees; at run time they load on fi
     from ._engine import DynamicRendezvousHandler as DynamicRendezvousHandler
     from ._history_facts import why_lost as why_lost
     from ._node import PortReservation as PortReservation
-    from ._status import AGENT_ALIVE as AGENT_ALIVE
-    from ._status import AGENT_LEAVING as AGENT_LEAVING
-    from ._status import AGENT_NODES as AGENT_NODES
-    from ._status import AGENT_STRAGGLERS as AGENT_STRAGGLERS
     from ._status import RunStatus as RunStatus
     from ._status import format_status as format_status
     from ._status import open_store as open_store
@@ -70,15 +88,25 @@ _EXPORTS = {
     "why_lost": "._history_facts",
     "PortReservation": "._node",
     **{name: "._status" for name in (
-        "AGENT_ALIVE", "AGENT_LEAVING", "AGENT_NODES", "AGENT_STRAGGLERS", "RunStatus",
-        "format_status", "open_store", "read_status", "unknown_run",
+        "RunStatus", "format_status", "open_store", "read_status", "unknown_run",
     )},
 }
 
 __all__ = [
+    "AGENT_ABANDON",
     "AGENT_ALIVE",
+    "AGENT_ASSIGN",
+    "AGENT_CTL",
+    "AGENT_DECISION",
+    "AGENT_DIR",
+    "AGENT_DONE",
+    "AGENT_EVICT",
+    "AGENT_HINT",
     "AGENT_LEAVING",
+    "AGENT_NEXT",
     "AGENT_NODES",
+    "AGENT_READY",
+    "AGENT_SEEN",
     "AGENT_STRAGGLERS",
     "DEFAULT_HISTORY_SIZE",
     "DynamicRendezvousHandler",
@@ -123,6 +151,10 @@ __all__ = [
     "rendezvous_url",
     "unknown_run",
     "why_lost",
+    "abandon_key",
+    "assign_key",
+    "ready_key",
+    "record_key",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -19,7 +19,8 @@ key                              meaning
 ``round/<r+1>/left/<id>``        why member ``id`` of round r is not coming back (a leave reason,
                                  for the history: read by r+1's sealer, then deleted)
 ``events/...``                   the run's history (``_history.py``)
-``round/<r>/user/...``           the members' own keys (``RendezvousInfo.store``)
+``round/<r>/user/...``           the members' own keys (``RendezvousInfo.store``); the agents'
+                                 (``rdzv run``) under ``user/agent/`` (``AGENT_*`` below)
 ===============================  ==================================================================
 
 ``<id>`` is the joiner's node id (``host:pid:random``, no ``/``): a joiner's keys need no store
@@ -318,3 +319,55 @@ def decode_int(key: str, raw: bytes | None, default: int) -> int:
         raise RendezvousStateError(
             f"rendezvous key {key!r} must hold an integer, got {raw[:40]!r}"
         ) from None
+
+
+# -- the agents' keys, in each round's own store (``round/<r>/user/``, RendezvousInfo.store) -----
+AGENT_DIR = "agent/"
+"""Every key the agents (``rdzv run``) keep in a round's store."""
+AGENT_NODES = AGENT_DIR + "node/"
+"""Each agent's record by group rank (``rdzv status`` reads host, pid and workers from it)."""
+AGENT_READY = AGENT_DIR + "ready/"
+"""A key per node whose record is final: the coordinator counts them (one O(1) call)."""
+AGENT_ALIVE = AGENT_DIR + "alive/"
+"""Each agent's ephemeral sign of life: the wall time it last wrote it."""
+AGENT_SEEN = AGENT_DIR + "seen/"
+"""The same sign of life as :data:`AGENT_ALIVE` but lasting: when a node's alive entry vanishes,
+how long it had been silent tells a lost connection from missed heartbeats (the history)."""
+AGENT_LEAVING = AGENT_DIR + "leaving/"
+"""A node leaving gracefully writes its group rank here before it withdraws from the next round."""
+AGENT_DONE = AGENT_DIR + "done/"
+"""A node whose workers finished the job says so here."""
+AGENT_STRAGGLERS = AGENT_DIR + "straggler/"
+"""Group rank 0 flags a straggler here: its group rank -> the ratio of its work to the others'."""
+AGENT_EVICT = AGENT_DIR + "evict/"
+"""Group rank 0 asks a node (its group rank) to leave for a spare here; the node reads it."""
+AGENT_CTL = AGENT_DIR + "ctl/"
+"""What every node of the round watches: the decision, the hint, abandon marks (O(1) wake-ups)."""
+AGENT_DECISION = AGENT_CTL + "decision"
+"""The coordinator's one decision for the round (in-process switch, restart, ...)."""
+AGENT_HINT = AGENT_CTL + "hint"
+"""Group rank 0's word, as soon as it knows, whether the job runs in-process (a newcomer then
+starts its workers at once, warm, before the decision)."""
+AGENT_ABANDON = AGENT_CTL + "abandon/"
+"""A node that left the round after its decision (a participant lost meanwhile) says so here."""
+AGENT_ASSIGN = AGENT_DIR + "assign/"
+"""``<decision id>/<group rank>``: each node's place in the round the decision starts."""
+AGENT_NEXT = AGENT_DIR + "next"
+"""How the round's members moved on (for a node that leaves it): the next round's kind and
+switch step, written by the next round's coordinator."""
+
+
+def assign_key(decision_id: str, group_rank: int) -> str:
+    return f"{AGENT_ASSIGN}{decision_id}/{group_rank}"
+
+
+def abandon_key(group_rank: int) -> str:
+    return f"{AGENT_ABANDON}{group_rank}"
+
+
+def record_key(group_rank: int) -> str:
+    return f"{AGENT_NODES}{group_rank}"
+
+
+def ready_key(group_rank: int) -> str:
+    return f"{AGENT_READY}{group_rank}"

@@ -17,17 +17,18 @@ from typing import Any
 from ..errors import RendezvousStateError
 from ..store import Store
 from ._api import RendezvousParameters
-from ._layout import ROOT, RunKeys, decode_int, decode_rank, decode_status
+from ._layout import (
+    AGENT_ALIVE,
+    AGENT_LEAVING,
+    AGENT_NODES,
+    AGENT_STRAGGLERS,
+    ROOT,
+    RunKeys,
+    decode_int,
+    decode_rank,
+    decode_status,
+)
 from ._params import canonical_backend
-
-AGENT_NODES = "agent/node/"
-"""Where each agent describes itself in its round's store (one key per group rank)."""
-AGENT_ALIVE = "agent/alive/"
-"""Where each agent refreshes the wall time of its last sign of life (ephemeral keys)."""
-AGENT_LEAVING = "agent/leaving/"
-"""Where an agent that leaves the job gracefully says so (one key per group rank)."""
-AGENT_STRAGGLERS = "agent/straggler/"
-"""Where group rank 0's agent flags the stragglers (one key per group rank, while flagged)."""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from typing import Any, Callable, NoReturn, cast
 from torch.distributed.elastic.rendezvous import api as torch_api
 
 from .. import errors
-from ..agent import ALIVE_DIR, wait_until_others_left
+from ..agent import wait_until_others_left
 from ..rendezvous import (
+    AGENT_ALIVE,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -130,7 +131,7 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
             raise torch_api.RendezvousStateError(
                 f"the rdzv backend {self._backend!r} gave no bootstrap store address for the workers"
             )
-        self._call(lambda: info.store.set(f"{ALIVE_DIR}{info.rank}", b"1", ephemeral=True))
+        self._call(lambda: info.store.set(f"{AGENT_ALIVE}{info.rank}", b"1", ephemeral=True))
         self._round = info
         return torch_api.RendezvousInfo(
             TorchStore(info.store),
