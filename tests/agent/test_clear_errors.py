@@ -116,7 +116,7 @@ def test_a_port_already_taken_is_named(launcher: Launcher) -> None:
 def test_a_host_name_that_does_not_resolve_is_told_apart() -> None:
     """(Without a DNS query: the tests reach only loopback.) The tcp store's own words for a
     name that does not resolve lead to the advice for a name, not for a port."""
-    from rdzv.agent._config import config_from_args, add_run_arguments
+    from rdzv.agent import add_run_arguments, config_from_args
     from rdzv.agent._launch import unreachable
     from rdzv.cli._hints import HintingParser
     from rdzv.errors import StoreConnectionError

@@ -11,7 +11,7 @@ import pytest
 from _agents import rdzv_cli
 
 from rdzv.agent import ConfigError, add_run_arguments, config_from_args
-from rdzv.agent._config import parse_nnodes, parse_streams
+from rdzv.agent._flags import parse_nnodes, parse_streams
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous import utils as torch_utils
 
 import rdzv
 from rdzv._address import parse_endpoint
-from rdzv.agent._config import ConfigError, parse_rdzv_conf
+from rdzv.agent import ConfigError, parse_rdzv_conf
 from rdzv.rendezvous._tcp import split_endpoint
 from rdzv.store import FileStore, HashStore, PrefixStore, TCPStore
 from rdzv.torch import TorchStore

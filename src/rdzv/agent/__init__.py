@@ -4,14 +4,9 @@ Workers use :func:`record` to have their traceback shown in the agent's failure 
 """
 
 from ._agent import ElasticAgent
-from ._config import (
-    ConfigError,
-    LaunchConfig,
-    add_run_arguments,
-    config_from_args,
-    parse_rdzv_conf,
-)
+from ._config import LaunchConfig, config_from_args
 from ._errors import record
+from ._flags import ConfigError, add_run_arguments, parse_rdzv_conf
 from ._launch import launch, run_from_args
 from ._round import wait_until_others_left
 

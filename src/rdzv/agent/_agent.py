@@ -96,7 +96,6 @@ class ElasticAgent:
         self.host = host or config.local_addr or socket.getfqdn()
         self.log_root = ""
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.channel_path = ""
         self._attempts = 0
         self.started = time.time()
         """When this agent started (wall time: what ``rdzv status`` shows as *up*)."""
@@ -150,10 +149,10 @@ class ElasticAgent:
                 self._shutdown_handler()
 
     def start_workers(self, group: WorkerGroup, local_ranks: list[int],
-                      assignment: Assignment | None, restarts: int) -> None:
+                      assignment: Assignment | None, restarts: int, channel_path: str) -> None:
         """Start the workers ``local_ranks`` in ``group``: with ``assignment``'s ranks, or
-        (None) to join a running group in-process."""
-        channel = {ENV_CHANNEL: self.channel_path}
+        (None) to join a running group in-process; they speak to the agent on ``channel_path``."""
+        channel = {ENV_CHANNEL: channel_path}
         specs = [WorkerSpec(lr, assignment.rank_offset + lr if assignment else -1,
                             worker_env(self.config, assignment, lr, restarts,
                                        {**os.environ, **channel}))

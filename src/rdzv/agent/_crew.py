@@ -9,16 +9,14 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._channel import STACKS_SIGNAL, ChannelServer, stacks_file
 from .._messages import Abort, Entered, Hello, Plan, PlanKind, Probe, Stop
+from ._host import NodeHost
 from ._protocol import FromWorker
 from ._records import Assignment
 from ._workers import WorkerExited, WorkerGroup
-
-if TYPE_CHECKING:
-    from ._agent import ElasticAgent
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +39,7 @@ class Said:
 class Crew:
     """This node's worker processes and the channel to them."""
 
-    def __init__(self, agent: "ElasticAgent") -> None:
+    def __init__(self, agent: NodeHost) -> None:
         self._agent = agent
         self._epoch = 0
         self._incarnation = 0
@@ -52,7 +50,6 @@ class Crew:
         """Local rank -> the pid of the process that connected (it prepared its stack dump)."""
         self._link = ChannelServer(lambda lr, message: agent.events.put(
             Said(self._epoch, lr, message)))
-        agent.channel_path = self._link.path
 
     # -- what they say, how they end ------------------------------------------------------------
     def said(self, event: Said) -> FromWorker | None:
@@ -93,12 +90,12 @@ class Crew:
         self.group = self._agent.new_group(self._incarnation)
         self._forget()
         self._agent.start_workers(self.group, list(range(self._agent.config.nproc_per_node)),
-                                  assignment, restarts)
+                                  assignment, restarts, self._link.path)
 
     def replace(self, local_rank: int, restarts: int) -> None:
         """Start one worker again (its process died), to join the running group."""
         assert self.group is not None
-        self._agent.start_workers(self.group, [local_rank], None, restarts)
+        self._agent.start_workers(self.group, [local_rank], None, restarts, self._link.path)
 
     def stop(self, signum: int, timeout: float) -> None:
         """Stop every worker: API workers hear it on the channel first (a SIGTERM alone is

@@ -5,19 +5,15 @@ waits as a spare; a line every ``EVERY`` seconds otherwise. Its executor calls :
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 from .._patience import EVERY
 from ..errors import RendezvousError
-
-if TYPE_CHECKING:
-    from ._agent import ElasticAgent
+from ._host import NodeHost
 
 
 class Forming:
     """The console of one node's waits for its rounds (one wait at a time)."""
 
-    def __init__(self, agent: "ElasticAgent") -> None:
+    def __init__(self, agent: NodeHost) -> None:
         self._agent = agent
         self.since = time.monotonic()
         """When this node began to wait for the round forming now (or formed last)."""

@@ -10,18 +10,16 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import RendezvousError
 from ..rendezvous import AGENT_ALIVE, AGENT_EVICT, AGENT_STRAGGLERS, RendezvousInfo
 from ._crew import Crew
+from ._host import NodeHost
 from ._history import record
 from ._protocol import Evicted, Node, Worker
 from ._round import mark_alive
 from ._stragglers import Policy, Sample, Watch, assess
-
-if TYPE_CHECKING:
-    from ._agent import ElasticAgent
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +101,7 @@ def training_stack(text: str, frame: str) -> list[str]:
 class Health:
     """The workers' health, for one node's executor."""
 
-    def __init__(self, agent: "ElasticAgent", crew: Crew, node_id: str) -> None:
+    def __init__(self, agent: NodeHost, crew: Crew, node_id: str) -> None:
         self._agent = agent
         self._crew = crew
         self._node_id = node_id

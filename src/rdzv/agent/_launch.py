@@ -15,8 +15,8 @@ from .._patience import notice_if_slow
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler, get_rendezvous_handler
 from ._agent import ElasticAgent, say
-from ._config import ConfigError, LaunchConfig, check_command, config_from_args
-from ._environment import describe
+from ._config import LaunchConfig, check_command, config_from_args
+from ._flags import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +120,27 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the backend rejected its parameters when creating the handler
         print(f"rdzv run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+
+
+def describe(config: LaunchConfig) -> str:
+    """``rdzv run --print-config``: each value this node runs with, and where it came from."""
+    origins = config.origins
+    nnodes = (str(config.min_nodes) if config.min_nodes == config.max_nodes
+              else f"{config.min_nodes}:{config.max_nodes}")
+    rows = [
+        ("nnodes", nnodes, origins.get("nnodes", "default")),
+        ("nproc_per_node", str(config.nproc_per_node), origins.get("nproc_per_node", "default")),
+        ("rdzv_backend", config.rdzv_backend, origins.get("rdzv_backend", "default")),
+        ("rdzv_endpoint", config.rdzv_endpoint or "(none)",
+         origins.get("rdzv_endpoint", "default")),
+        ("rdzv_id", config.run_id, origins.get("rdzv_id", "default")),
+        ("local_addr", config.local_addr or "(this machine's name)",
+         origins.get("local_addr", "default")),
+    ]
+    for key, value in sorted(config.rdzv_conf.items()):
+        rows.append((f"rdzv_conf {key}", value, origins.get(f"rdzv_conf:{key}", "default")))
+    value_width = max(len(value) for _n, value, _o in rows)
+    rows.append(("command", " ".join(config.command), "TRAINING_SCRIPT"))
+    width = max(len(name) for name, _v, _o in rows)
+    return "\n".join(f"{name:<{width}}  {value:<{value_width}}  ({origin})"
+                     for name, value, origin in rows)

@@ -18,7 +18,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .._address import parse_endpoint
 from .._patience import EVERY
@@ -45,6 +45,7 @@ from ._history import (
     record,
     report_losses,
 )
+from ._host import NodeHost
 from ._protocol import (
     Act,
     Assigned,
@@ -92,9 +93,6 @@ from ._watch import (
 )
 from ._workers import WorkerExited
 
-if TYPE_CHECKING:
-    from ._agent import ElasticAgent
-
 logger = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT = 30.0
@@ -111,7 +109,7 @@ class RoundResult:
 class NodeRun:
     """One node's run: the event loop and the actions of its protocol."""
 
-    def __init__(self, agent: "ElasticAgent") -> None:
+    def __init__(self, agent: NodeHost) -> None:
         config = agent.config
         self.agent, self.config, self.handler = agent, config, agent.handler
         self.events = agent.events
