@@ -12,10 +12,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _waiting import eventually
 
 import rdzv.store
 from rdzv.rendezvous import (
@@ -28,6 +28,14 @@ from rdzv.rendezvous import (
 )
 from rdzv.rendezvous._static import StaticRendezvousHandler, create_handler
 from rdzv.store import HashStore
+
+
+def waiting_in(shared: HashStore) -> int:
+    """The threads blocked in a wait on ``shared`` (its clients' barrier), as its condition holds
+    them (CPython's ``Condition._waiters``: one lock per thread inside ``wait()``)."""
+    cond = shared._shared.cond
+    with cond:
+        return len(cond._waiters)  # type: ignore[attr-defined]
 
 
 def node(store: HashStore, rank: int, world_size: int = 3, timeout: float = 60.0) -> StaticRendezvousHandler:
@@ -84,7 +92,7 @@ def test_barrier_waits_for_every_rank_and_hands_out_a_shared_store() -> None:
     handlers = [node(shared, rank) for rank in range(3)]
     with ThreadPoolExecutor(3) as pool:
         early = [pool.submit(h.next_rendezvous) for h in handlers[:2]]
-        time.sleep(0.2)
+        eventually(lambda: waiting_in(shared) == 2, 60, "ranks 0 and 1 waiting in the barrier")
         assert not any(f.done() for f in early), "the barrier opened before rank 2 arrived"
         last = pool.submit(handlers[2].next_rendezvous)
         infos = [f.result(timeout=60) for f in (*early, last)]
@@ -177,14 +185,18 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def start_node():
-    """Start node processes; every one is stopped at teardown."""
+def start_node(tmp_path):
+    """Start node processes (their stderr in the file ``process.log``); every one is stopped at
+    teardown."""
     processes: list[subprocess.Popen] = []
 
     def start(url: str) -> subprocess.Popen:
-        process = subprocess.Popen(
-            [sys.executable, "-c", NODE_SCRIPT, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        log = tmp_path / f"node-{len(processes)}.log"
+        with open(log, "w") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-c", NODE_SCRIPT, url], stdout=subprocess.PIPE, stderr=stderr, text=True
+            )
+        process.log = log  # type: ignore[attr-defined]
         processes.append(process)
         return process
 
@@ -196,8 +208,8 @@ def start_node():
 
 
 def result_of(process: subprocess.Popen) -> dict:
-    out, err = process.communicate(timeout=90)
-    assert process.returncode == 0, err
+    out, _ = process.communicate(timeout=90)
+    assert process.returncode == 0, process.log.read_text()  # type: ignore[attr-defined]
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -207,7 +219,8 @@ def test_three_processes_form_the_static_group(start_node) -> None:
     url = f"static://127.0.0.1:{port}/job?world_size=3&timeout=60&rank="
     # Ranks 1 and 2 start before rank 0 hosts the store: they retry until it is up.
     others = [start_node(url + str(rank)) for rank in (2, 1)]
-    time.sleep(1.0)
+    eventually(lambda: all("cannot reach the store server" in p.log.read_text() for p in others),
+               60, "ranks 1 and 2 to say that they retry reaching rank 0's store")
     host = start_node(url + "0")
     results = sorted((result_of(p) for p in [host, *others]), key=lambda r: r.get("rank", -1))
     assert [r.get("rank") for r in results] == [0, 1, 2], results
@@ -233,10 +246,16 @@ def test_a_missing_process_times_out_naming_its_rank(start_node) -> None:
 @needs_tcp_store
 def test_losing_rank_0_mid_barrier_is_a_connection_error(start_node) -> None:
     # rank 1's store tries to reconnect for its timeout (a durable server may come back)
-    url = f"static://127.0.0.1:{free_port()}/job?world_size=3&timeout=10&rank="
+    port = free_port()
+    url = f"static://127.0.0.1:{port}/job?world_size=3&timeout=10&rank="
     host = start_node(url + "0")
     other = start_node(url + "1")
-    time.sleep(2.0)  # both are (most likely) in the barrier now, waiting for rank 2
+    probe = rdzv.store.TCPStore("127.0.0.1", port, timeout=60)  # (waits for rank 0 to host it)
+    try:  # both have arrived: they wait in the barrier for rank 2
+        eventually(lambda: probe.check([f"rdzv.static/job/arrived/{rank}" for rank in (0, 1)]), 60,
+                   "ranks 0 and 1 in the barrier")
+    finally:
+        probe.close()
     host.kill()
     result = result_of(other)
     assert result["error"] == "RendezvousConnectionError", result
