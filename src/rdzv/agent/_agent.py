@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from .._channel import ENV_CHANNEL, ENV_JOIN
+from .._clock import SYSTEM_CLOCK, Clock
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler
 from ._config import LaunchConfig
@@ -87,17 +88,19 @@ class ElasticAgent:
         config: the launch configuration.
         handler: the run's rendezvous handler (the agent shuts it down when it ends).
         host: this node's address for the workers' MASTER_ADDR and the failure report.
+        clock: the time the node's decisions are taken at (the system's; tests move their own).
     """
 
     def __init__(self, config: LaunchConfig, handler: RendezvousHandler,
-                 host: str | None = None) -> None:
+                 host: str | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock
         self.handler = handler
         self.host = host or config.local_addr or socket.getfqdn()
         self.log_root = ""
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._attempts = 0
-        self.started = time.time()
+        self.started = clock.time()
         """When this agent started (wall time: what ``rdzv status`` shows as *up*)."""
         self.store_gone = False
         """The rendezvous store could not be reached for its whole timeout."""

@@ -4,7 +4,6 @@ waits as a spare; a line every ``EVERY`` seconds otherwise. Its executor calls :
 
 from __future__ import annotations
 
-import time
 from .._patience import EVERY
 from ..errors import RendezvousError
 from ._host import NodeHost
@@ -15,7 +14,8 @@ class Forming:
 
     def __init__(self, agent: NodeHost) -> None:
         self._agent = agent
-        self.since = time.monotonic()
+        self._clock = agent.clock
+        self.since = self._clock.monotonic()
         """When this node began to wait for the round forming now (or formed last)."""
         self._said = 0.0
         self._last_call_said = False
@@ -24,13 +24,13 @@ class Forming:
 
     def begin(self) -> None:
         """A new wait for a round begins."""
-        self.since = self._said = time.monotonic()
+        self.since = self._said = self._clock.monotonic()
         self._last_call_said = False
 
     def tick(self, survivors: bool) -> None:
         """Say what is news, or what is due (``survivors``: this node's workers wait, their
         group broken, for the round to form)."""
-        agent, config, now = self._agent, self._agent.config, time.monotonic()
+        agent, config, now = self._agent, self._agent.config, self._clock.monotonic()
         try:
             spare = agent.handler.is_spare()
         except RendezvousError:

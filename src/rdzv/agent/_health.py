@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -141,7 +140,7 @@ class Health:
                 if sample.node in self._watch.flagged and ratios:
                     self._flag(info, sample, ratios[-1])
         self._watch, verdicts = assess(self._watch, event.samples, event.spares,
-                                       time.monotonic(), self._policy)
+                                       self._agent.clock.monotonic(), self._policy)
         for verdict in verdicts:
             sample, ratio = verdict.sample, round(verdict.ratio, 3)
             where = f"group rank {sample.group_rank} ({sample.host})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 from typing import Any, Protocol
 
+from .._clock import Clock
 from ..rendezvous import RendezvousHandler
 from ._config import LaunchConfig
 from ._errors import WorkerFailure
@@ -30,6 +31,8 @@ class NodeHost(Protocol):
     """Where the workers' exits, their messages and signals are posted."""
     store_gone: bool
     """Set by the run when the rendezvous store could not be reached for its whole timeout."""
+    clock: Clock
+    """The time the run's decisions are taken at (tests move it)."""
 
     def say(self, message: str) -> None:
         """Tell the person at the console what happens."""

@@ -14,7 +14,6 @@ import logging
 import queue
 import signal
 import sys
-import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -113,6 +112,7 @@ class NodeRun:
         config = agent.config
         self.agent, self.config, self.handler = agent, config, agent.handler
         self.events = agent.events
+        self.clock = agent.clock
         self.session_ttl = config.rendezvous_parameters().session_ttl
         """The store sessions' ttl: how long a lost member stays silent before it is gone."""
         self.rules = Rules(config.nproc_per_node, config.max_restarts, config.switch_timeout,
@@ -152,12 +152,12 @@ class NodeRun:
             if event is not None:
                 self._step(event)
             if not isinstance(event, Tick) and self.exit_code is None and \
-                    self._due() <= time.monotonic():  # (a stream of events holds no time up)
+                    self._due() <= self.clock.monotonic():  # (a stream of events holds no time up)
                 self._step(Tick())
         return self.exit_code
 
     def _step(self, event: Any) -> None:
-        self.node, acts = step(self.node, event, time.monotonic(), self.rules)
+        self.node, acts = step(self.node, event, self.clock.monotonic(), self.rules)
         for action in acts:
             self._do(action)
 
@@ -179,7 +179,7 @@ class NodeRun:
         return min(self.node.deadline, hang_due(self.node, self.rules))
 
     def _wait(self) -> float:
-        node, now = self.node, time.monotonic()
+        node, now = self.node, self.clock.monotonic()
         deadlines = [self._due(), now + EVERY]
         if node.leave is not None:
             deadlines.append(node.leave.deadline)
@@ -221,7 +221,7 @@ class NodeRun:
         if self.node.gen == 0:
             self.rules = replace(self.rules, hosts_store=hosts_store(info.store))
         self._port = reserve_workers_port(self.agent.host)
-        self.agent.say(f"round formed in {time.monotonic() - self.forming.since:.2f} s: this "
+        self.agent.say(f"round formed in {self.clock.monotonic() - self.forming.since:.2f} s: this "
                        f"node is group rank {info.rank} of {info.world_size}")
         return Formed(self.node.gen + 1, info.rank, info.world_size)
 
@@ -292,7 +292,7 @@ class NodeRun:
         leaving = leaving_ranks(self.group_info.store) if self.group_info is not None else ()
         write_record(info.store, node, build_record(
             node, self.config, self.agent.host, self._port, leaving,
-            getattr(self.handler, "node_id", None), time.monotonic() - self.forming.since,
+            getattr(self.handler, "node_id", None), self.clock.monotonic() - self.forming.since,
             self.agent.started))
 
     def _act_hint(self, inprocess: bool) -> None:
@@ -302,7 +302,7 @@ class NodeRun:
     def _act_decide(self, records: dict[int, NodeRecord | None], timed_out: bool) -> None:
         assert self.info is not None
         decision, current = write_decision(self.info.store, records, DecideContext(
-            uuid.uuid4().hex[:12], str(getattr(self.handler, "node_id", "")), time.time(),
+            uuid.uuid4().hex[:12], str(getattr(self.handler, "node_id", "")), self.clock.time(),
             self.node.nodes, timed_out, self.rules.switch_timeout))
         if current == decision and decision.kind is Kind.RESTART:  # each fallback, once
             record(self.handler, "restart_fallback", cause=decision.cause, reason=decision.why)
@@ -364,7 +364,7 @@ class NodeRun:
                    restarts=node.restarts)
             if self._paused is not None:
                 since, cause = self._paused
-                record(self.handler, "training_paused", pause_s=round(time.time() - since, 6),
+                record(self.handler, "training_paused", pause_s=round(self.clock.time() - since, 6),
                        cause=cause)
                 self._paused = None
 
@@ -379,7 +379,7 @@ class NodeRun:
 
     def _act_stop(self, signum: int) -> None:
         if self.crew.group is not None:
-            self._paused = self._paused or (time.time(), "membership_change")
+            self._paused = self._paused or (self.clock.time(), "membership_change")
             self.crew.stop(signum, self.config.stop_timeout)
 
     def _act_announce(self) -> None:
@@ -388,7 +388,7 @@ class NodeRun:
         try:
             group = node.group
             info.store.set(f"{AGENT_LEAVING}{node.group_rank}", json.dumps(
-                {"time": time.time(), "host": self.agent.host,
+                {"time": self.clock.time(), "host": self.agent.host,
                  "ranks": list(group.held(node.slots)) if group else []}))
             announced = self.handler.announce_leaving()
         except RendezvousError as exc:
@@ -399,7 +399,7 @@ class NodeRun:
             return
         self.watches.stop_round()  # this node's own announcement is no news
         self.watches.add("rdzv-leave", watch_next(
-            info.store, self.events.put, max(0.0, node.leave.deadline - time.monotonic())))
+            info.store, self.events.put, max(0.0, node.leave.deadline - self.clock.monotonic())))
 
     def _act_leave_plans(self, step_: int) -> None:
         self.crew.send_leave(self.node.gen, step_)
