@@ -16,9 +16,9 @@ import logging
 import os
 import socket
 import threading
-import time
 from typing import Callable
 
+from .._clock import SYSTEM_CLOCK, Clock
 from ..errors import (RendezvousClosedError, RendezvousError, RendezvousTimeoutError,
                       SessionExpiredError)
 from ..store import PrefixStore, Store
@@ -64,6 +64,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ``query_store`` opens a second client for :meth:`num_nodes_waiting`, :meth:`is_closed` and
     :meth:`set_closed` while this node waits in a round, for stores whose client serves one
     call at a time (TCPStore): the queries then never wait behind the round's blocking watch.
+    ``clock``: the time the round's decisions are taken at (the system's unless a test moves
+    its own).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node_order: int | None = None,
         on_shutdown: Callable[[], None] | None = None,
         query_store: Callable[[], Store] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         caps = store.capabilities
         if not (caps.ephemeral and caps.listing):
@@ -92,6 +95,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if not 1 <= min_nodes <= max_nodes:
             raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
         self._store = store
+        self._clock = clock
         self._keys = RunKeys(run_id)
         self._rules = RoundRules(min_nodes, max_nodes, float(last_call_timeout))
         self._backend = backend
@@ -185,7 +189,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         joined, armed_since = forming
         if armed_since is None:
             return joined, None
-        return joined, max(0.0, armed_since + self._rules.last_call_timeout - time.monotonic())
+        return joined, max(0.0, armed_since + self._rules.last_call_timeout - self._clock.monotonic())
 
     def record_event(self, kind: str, **fields: object) -> RunEvent | None:
         """Record an event of this node in the run's history, in the background (never fails:
@@ -217,10 +221,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def wait_for_membership_change(self, timeout: float) -> bool:
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         view, since = self._view(self._store, 0, 0.0, "wait_for_membership_change()")
         while not view.changed:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock.monotonic()
             if remaining <= 0:
                 return False
             view, since = self._view(self._store, since, remaining,
@@ -306,7 +310,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- joining ----------------------------------------------------------------------------------
     def _next_rendezvous(self) -> RendezvousInfo:
-        deadline = time.monotonic() + self._join_timeout
+        deadline = self._clock.monotonic() + self._join_timeout
         previous = self._member
         # A member goes straight to the round after its own; a newer one makes it late there.
         round_ = previous.round + 1 if previous else self._latest_sealed() + 1
@@ -334,7 +338,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store, keys, me = self._store, self._keys, self._node_id
         node = NodeDescriptor(
             me, self._host, os.getpid(), self._reserve_port(), previous.rank if previous else None,
-            round(time.time(), 6), self._node_order,
+            round(self._clock.time(), 6), self._node_order,
         )
         writes = {keys.expect(r + 1, me): b"1", keys.node(r, me): encode_node(node)}
         if previous is not None:
@@ -346,7 +350,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.set(key, value, ephemeral=True)
             first_look: tuple[RoundView, int] | None = observe_round(self._store, self._keys, self._rules, r)
         rank_key, status_key = keys.rank(r, me), keys.status(r)
-        started = time.monotonic()
+        started = self._clock.monotonic()
         armed_since: float | None = None
         since = 0
         woken = False
@@ -362,7 +366,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             view, seen = first_look or observe_round(self._store, self._keys, self._rules, r)
             first_look = None
             since = max(since, seen)
-            now = time.monotonic()
+            now = self._clock.monotonic()
             deadline = join_deadline(view, self._rules, now, deadline, self._join_timeout)
             if is_spare(view, self._rules) != self._spare:
                 self._spare = not self._spare
