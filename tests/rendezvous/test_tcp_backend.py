@@ -15,17 +15,33 @@ import pytest
 
 from _clusters import ProcessCluster
 from _nodes import NodeError, ProcessNode
+from _waiting import eventually
 from rendezvous_contract import AT_ONCE, RendezvousContract, check_round, form
 
 from rdzv.rendezvous import get_rendezvous_handler
+from rdzv.rendezvous._layout import RunKeys
 from rdzv.server import StoreServer
 from rdzv.kv import protocol as P
 from rdzv.store._tcp import TCPStore
 
+ANSWER_WAITERS = (
+    "[print(len(s._core.waiters.get(path.strip(), ())), flush=True) for path in sys.stdin]"
+)
+"""The end of a server script: for each path read on stdin, the number of requests waiting on
+it is printed (see :func:`waiting_on`), until stdin closes."""
 SERVER_SCRIPT = (
     "import sys; from rdzv.server import StoreServer; s = StoreServer('127.0.0.1', 0).start(); "
-    "print(s.port, flush=True); sys.stdin.read()"
+    "print(s.port, flush=True); " + ANSWER_WAITERS
 )
+ROUND_0_CTL = RunKeys("job").ctl(0)
+"""What a node waiting in round 0 of run ``job`` watches."""
+
+
+def waiting_on(server: subprocess.Popen, path: str) -> int:
+    """The requests waiting on ``path`` in the store server process ``server``."""
+    server.stdin.write(path + "\n")
+    server.stdin.flush()
+    return int(server.stdout.readline())
 
 
 @pytest.fixture
@@ -79,7 +95,8 @@ def test_store_server_killed_mid_round_raises_connection_error():
                             "min_nodes": 2, "max_nodes": 2, "local_addr": "127.0.0.1",
                             "is_host": False, "read_timeout": 2.0, "join_timeout": 600.0})
         pending = node.request("next")
-        time.sleep(0.5)
+        eventually(lambda: waiting_on(server, ROUND_0_CTL) == 1, AT_ONCE,
+                   "the node to wait in round 0 on the server")
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
         started = time.monotonic()
@@ -122,7 +139,7 @@ def test_shutdown_with_the_store_server_gone_gives_up_after_close_timeout():
 DURABLE_SERVER_SCRIPT = (
     "import sys; from rdzv.server import StoreServer; "
     "s = StoreServer('127.0.0.1', int(sys.argv[1]), data_dir=sys.argv[2]).start(); "
-    "print(s.port, flush=True); sys.stdin.read()"
+    "print(s.port, flush=True); " + ANSWER_WAITERS
 )
 
 
@@ -149,7 +166,8 @@ def test_a_call_retried_after_losing_the_store_joins_with_its_keys_kept(tmp_path
     try:
         nodes.append(ProcessNode(spec))
         pending = nodes[0].request("next")
-        time.sleep(0.5)  # waiting in round 0
+        eventually(lambda: waiting_on(server, ROUND_0_CTL) == 1, AT_ONCE,
+                   "the node to wait in round 0 on the server")
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
         with pytest.raises(NodeError) as info:
@@ -157,7 +175,9 @@ def test_a_call_retried_after_losing_the_store_joins_with_its_keys_kept(tmp_path
         assert info.value.type_name == "StoreConnectionError"
         server = start_server()
         retried = nodes[0].request("next")
-        time.sleep(1.0)  # waiting again (and deleting what it no longer needs)
+        # waiting again (having deleted what it no longer needs) on the restarted server
+        eventually(lambda: waiting_on(server, ROUND_0_CTL) == 1, AT_ONCE,
+                   "the retried call to wait in round 0 on the restarted server")
         nodes.append(ProcessNode(spec))
         second = nodes[1].request("next")
         check_round([retried.result(AT_ONCE), second.result(AT_ONCE)], 2)
@@ -173,8 +193,10 @@ def test_a_store_server_without_conditional_writes_still_forms_rounds(server):
     """A store server of an rdzv version before fencing answers MULTI_SET_IF "unknown opcode":
     the sealer falls back to the unfenced write of its decision (with a warning), checks it
     against the status it reads back, and the round forms as before."""
+    from rdzv.server._dispatch import unknown_op
+
     core = server._core
-    core.handlers[P.OP_MULTI_SET_IF] = core._op_unknown  # as the previous version's table
+    core.handlers[P.OP_MULTI_SET_IF] = unknown_op  # as the previous version's table
     cluster = ProcessCluster("tcp", f"127.0.0.1:{server.port}", raw_store=lambda: TCPStore(
         "127.0.0.1", server.port, timeout=30), hung_options=None, is_host=False)
     try:
