@@ -146,7 +146,7 @@ class RendezvousContract:
         eventually(lambda: a.call("waiting") == 1, AT_ONCE, "the dead node is dropped")
         b = cluster.node(2, 3, last_call_timeout=LONG)
         second = b.request("next")
-        time.sleep(0.3)
+        eventually(lambda: a.call("waiting") == 2, AT_ONCE, "b joined, the dead node not counted")
         assert not first.done(), "the dead node was counted towards max_nodes"
         c = cluster.node(2, 3, last_call_timeout=LONG)
         third = c.request("next")
@@ -300,7 +300,7 @@ class RendezvousContract:
     def test_next_rendezvous_async_forms_in_background(self, cluster):
         a, b = cluster.node(2, 2), cluster.node(2, 2)
         pending = a.request("next")
-        time.sleep(0.3)
+        eventually(lambda: a.call("waiting") == 1, AT_ONCE, "a waits in round 0 for a second node")
         assert not pending.done(), "a round of one formed"
         b_result = b.call("next")
         check_round([pending.result(AT_ONCE), b_result], 2)
