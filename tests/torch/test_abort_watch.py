@@ -17,7 +17,7 @@ from rdzv._messages import Abort, Hello
 from rdzv.torch._group import ABORT_GRACE
 
 WORKER = r"""
-import socket, sys, time
+import socket, sys, threading, time
 from rdzv.torch._group import agent_link, group_sockets
 link = agent_link()
 listener = socket.create_server(("127.0.0.1", 0))
@@ -28,6 +28,22 @@ print("ready", flush=True)
 if sys.argv[1] == "stuck":
     time.sleep(60)  # a collective that the shut-down sockets do not wake
 else:
+    watch = link._watch_abort
+
+    def watch_and_say(moves):  # an abort's watch of the training thread; "watched" once it ended
+        watch(moves)
+        watchers = [t for t in threading.enumerate() if t.name == "rdzv-abort-watch"]
+        threading.Thread(target=lambda: ([t.join() for t in watchers], print("watched", flush=True)),
+                         daemon=True).start()
+
+    def say_waiting():  # "waiting" once the training thread waits for its plan
+        with link._cond:
+            while not link._waiting:
+                link._cond.wait(0.01)
+        print("waiting", flush=True)
+
+    link._watch_abort = watch_and_say
+    threading.Thread(target=say_waiting, daemon=True).start()
     link.wait()  # out of every collective, waiting for its next plan
 """
 
@@ -68,9 +84,10 @@ def test_a_worker_waiting_for_its_plan_is_not_ended_by_an_abort() -> None:
     worker = start("waiting", server)
     try:
         assert isinstance(seen.get(timeout=10)[1], Hello)
-        time.sleep(0.2)  # (it waits for its plan by now)
+        assert worker.stdout is not None and worker.stdout.readline() == "waiting\n"
         assert server.send(0, Abort())
-        time.sleep(ABORT_GRACE + 1.5)
+        # the abort's watch ends and leaves it alone (past the grace it would SIGKILL it)
+        assert worker.stdout.readline() == "watched\n", worker.communicate(timeout=10)
         assert worker.poll() is None, worker.communicate(timeout=10)
     finally:
         worker.kill()
