@@ -10,6 +10,7 @@ from _raw import Raw, start_server_process
 
 from rdzv.errors import SessionExpiredError, StoreUnsupportedError, StoreValueError
 from rdzv.server import StoreServer
+from rdzv.server._dispatch import unknown_op
 from rdzv.kv import protocol as P
 from rdzv.store import TCPStore
 from rdzv.store._tcp import MAX_UNACKED_WRITES
@@ -320,7 +321,7 @@ def test_a_server_without_conditional_writes_is_a_clear_error_then_a_capability(
     server = StoreServer("127.0.0.1", 0).start()
     core = server._core
     assert core is not None
-    core.handlers[P.OP_MULTI_SET_IF] = core._op_unknown  # as the previous version's table
+    core.handlers[P.OP_MULTI_SET_IF] = unknown_op  # as the previous version's table
     store = TCPStore("127.0.0.1", server.port, timeout=30)
     try:
         assert store.capabilities.conditional

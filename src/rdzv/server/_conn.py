@@ -1,34 +1,32 @@
 """One client connection: a non-blocking socket, framing, the handshake, requests and answers.
 
 :class:`Conn` reads into one buffer shared by all connections, splits the bytes into frames,
-runs the handshake (version, optional shared-secret auth, session attach/resume), hands each
-request to the core's handlers and sends the answers to all the requests of one read with one
-``send`` (with a write-ahead log: at the end of the loop's round, once logged). Each connection
-gets a bounded turn: at most :data:`FRAMES_PER_TURN` requests (or :data:`TURN_BYTES` of answers)
-per round of the loop, the rest waits for its next turn, so a flood on some connections delays
-the others by little. A client that does not read its answers is held back (its requests are no
-longer read until it drains them) and dropped when they pile up beyond a limit; a client that
-stays silent for its session ttl loses its session. Its buffers count against the server's
-memory budget (:mod:`._budget`), which sheds the largest holders.
+has its handshake run (:class:`~rdzv.server._greeting.Greeting`), hands each request to the
+core's handlers and sends the answers to all the requests of one read with one ``send`` (with
+a write-ahead log: at the end of the loop's round, once logged). Each connection gets a bounded
+turn: at most :data:`FRAMES_PER_TURN` requests (or :data:`TURN_BYTES` of answers) per round of
+the loop, the rest waits for its next turn, so a flood on some connections delays the others by
+little. A client that does not read its answers is held back (its requests are no longer read
+until it drains them) and dropped when they pile up beyond a limit; a client that stays silent
+for its session ttl loses its session. Its buffers count against the server's memory budget
+(:class:`~rdzv.server._accounting.Accounting`), which sheds the largest holders.
 """
 
 from __future__ import annotations
 
 import logging
-import select
 import socket
-import struct
 import time
 from collections import deque
 from itertools import islice
 from typing import TYPE_CHECKING, Union
 
-from ..errors import StoreValueError
 from ..kv import protocol as P
 from ._accounting import Accounting
 from ._budget import TRACK_MIN
-from ._greeting import HANDSHAKE_TIMEOUT, READY
-from ._loop import EPOLLIN, EPOLLOUT
+from ._dispatch import failed, resent
+from ._greeting import Greeting
+from ._loop import EPOLLIN, EPOLLOUT, readable
 from ._wal_format import SessionRequest
 
 if TYPE_CHECKING:
@@ -43,6 +41,8 @@ _HEAD_unpack_from = P.BODY_HEAD.unpack_from
 _HEAD_SIZE = P.HEAD_SIZE
 _READ_SIZE = 1 << 18
 
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a new connection has to complete the handshake."""
 CLOSE_TIMEOUT = 5.0
 """Seconds a closing connection has to take its last answers before it is cut."""
 FRAMES_PER_TURN = 64
@@ -53,13 +53,14 @@ TURN_BYTES = 1 << 20
 """... or fewer, once their answers in this round reach this many bytes."""
 
 
-class Conn(Accounting):
+class Conn:
     """One client connection (see the module docstring)."""
 
     __slots__ = (
-        "core", "sock", "fd", "peer", "last_recv", "chunks_len", "need", "dpos", "out",
-        "out_size", "unsent", "unsent_size", "reading", "dirty", "waiters", "timer_due",
-        "closed", "closing", "lingering", "read_at", "timed",
+        "core", "sock", "fd", "peer", "greeting", "accounting", "session", "ttl", "max_frame",
+        "last_recv", "chunks", "chunks_len", "need", "deferred", "dpos", "out", "out_size",
+        "unsent", "unsent_size", "reading", "dirty", "waiters", "timer", "timer_due", "closed",
+        "closing", "lingering", "read_at", "timed",
     )
 
     def __init__(self, core: "Core", sock: socket.socket, peer: str) -> None:
@@ -67,16 +68,20 @@ class Conn(Accounting):
         self.sock = sock
         self.fd = sock.fileno()
         self.peer = peer
-        self.phase = 0
+        self.greeting: Greeting | None = Greeting(self, core)
+        """The handshake, until it is done (then None: the requests are served)."""
+        self.accounting = Accounting(self, core.budget, core.shed)
         self.session: Session | None = None
         self.ttl = 0.0
         self.last_recv = _monotonic()
-        self.chunks = None
+        self.chunks: list[bytes] | None = None
+        """The start of a frame not yet read whole (``need`` bytes in all)."""
         self.chunks_len = 0
         self.need = 0
-        self.deferred = None  # (for its next turn, or until this client has taken its answers)
+        self.deferred: bytes | None = None
+        """Requests read but not handled yet (from ``dpos`` on): at its next turn, or once
+        the client has taken its answers."""
         self.dpos = 0
-        self.held = 0
         self.out: list[bytes] = []
         """Answers queued in this round, sent by :meth:`flush_out`."""
         self.out_size = 0
@@ -86,8 +91,6 @@ class Conn(Accounting):
         self.reading = True
         self.dirty = False
         self.waiters: set[Waiter] = set()
-        self.hello: P.Hello | None = None
-        self.server_nonce = b""
         self.timer: Timer | None = None
         self.timer_due = 0.0
         self.closed = False
@@ -157,8 +160,8 @@ class Conn(Accounting):
                     self.chunks_len = size - pos
                     self.need = 4 + length
                     break
-                if self.phase != READY:
-                    self.handshake(data[pos + 4 : end])
+                if self.greeting is not None:
+                    self.greeting.step(data[pos + 4 : end])
                 elif length < _HEAD_SIZE:
                     raise P.ProtocolError(f"request frame of {length} bytes is shorter than its header")
                 else:
@@ -169,19 +172,19 @@ class Conn(Accounting):
                         try:
                             resp = handlers[op](self, rid, data, pos + 9, end)
                         except Exception as exc:  # noqa: BLE001 - answered, never fatal
-                            resp = self._failed(op, rid, exc)
+                            resp = failed(op, rid, exc, self.peer)
                     elif rid > sess.last_rid:  # type: ignore[union-attr]
                         try:
                             resp = handlers[op](self, rid, data, pos + 9, end)
                         except Exception as exc:  # noqa: BLE001 - answered, never fatal
-                            resp = self._failed(op, rid, exc)
+                            resp = failed(op, rid, exc, self.peer)
                         sess.last_rid = rid  # type: ignore[union-attr]
                         sess.last_resp = resp  # type: ignore[union-attr]
                         if core.wal is not None:  # logged after the write's own effects
                             effects: list = core.state.effects  # type: ignore[assignment]
                             effects.append(SessionRequest(sess.id, rid, resp))  # type: ignore[union-attr]
                     else:
-                        resp = self._resent(op, rid)
+                        resp = resent(sess, op, rid)  # type: ignore[arg-type]
                     if resp is not None:
                         out.append(resp)
                         self.out_size += len(resp)
@@ -202,8 +205,8 @@ class Conn(Accounting):
                     self.need = 4
         except P.ProtocolError as exc:
             self.drop(f"protocol error: {exc}", P.error(0, exc.code, str(exc)))
-        if self.chunks is not None or self.deferred is not None or self.held:
-            self.account()
+        if self.chunks is not None or self.deferred is not None or self.accounting.held:
+            self.accounting.account()
         if self.out:
             if out is self.out and len(out) > before:
                 if not self.timed:
@@ -215,37 +218,12 @@ class Conn(Accounting):
                 self.dirty = True
                 core.dirty.append(self)
 
-    # -- requests ---------------------------------------------------------------------------------
-    def _failed(self, op: int, rid: int, exc: Exception) -> bytes:
-        """The error answer to a request whose handler raised ``exc``."""
-        if isinstance(exc, P.ProtocolError):
-            log.warning("bad request from %s: %s", self.peer, exc)
-            return P.error(rid, exc.code, str(exc))
-        if isinstance(exc, (struct.error, UnicodeDecodeError)):
-            msg = f"malformed {P.OP_NAMES.get(op, op)} request: {exc}"
-            log.warning("bad request from %s: %s", self.peer, msg)
-            return P.error(rid, P.E_BAD_REQUEST, msg)
-        if isinstance(exc, StoreValueError):
-            return P.error(rid, P.E_VALUE, str(exc))
-        log.error(
-            "error answering a %s request from %s", P.OP_NAMES.get(op, op), self.peer, exc_info=exc
-        )
-        return P.error(rid, P.E_INTERNAL, f"{type(exc).__name__}: {exc}")
-
-    def _resent(self, op: int, rid: int) -> bytes | None:
-        """The answer to a write resent after a reconnect, which was applied already."""
-        sess = self.session
-        assert sess is not None
-        if rid == sess.last_rid:
-            return sess.last_resp  # None: a quiet SET that succeeded
-        if op in P.PIPELINED_OPS:
-            return P.ok(rid)  # an earlier pipelined write: its answer was "done"
-        return P.error(
-            rid,
-            P.E_BAD_REQUEST,
-            f"{P.OP_NAMES[op]} request {rid} was applied already (the last write of session "
-            f"{sess.id} is request {sess.last_rid}); request ids must grow",
-        )
+    def _oversized(self, length: int) -> None:
+        msg = f"frame of {length} bytes exceeds the maximum frame size of {self.max_frame} bytes"
+        if self.greeting is not None:
+            self.drop(f"bad handshake ({msg}; not an rdzv client?)")
+        else:
+            self.drop(msg, P.error(0, P.E_FRAME_TOO_LARGE, msg))
 
     # -- answers ----------------------------------------------------------------------------------
     def queue(self, frame: bytes) -> None:
@@ -297,8 +275,8 @@ class Conn(Accounting):
         if unsent > self.core.out_high and self.reading:
             self.reading = False  # answers pile up: read on once the client has taken them
             self._watch_events()
-        if unsent >= TRACK_MIN or self.held:
-            self.account()
+        if unsent >= TRACK_MIN or self.accounting.held:
+            self.accounting.account()
 
     def _send_unsent(self) -> None:
         unsent = self.unsent
@@ -320,8 +298,8 @@ class Conn(Accounting):
                 break
             sent -= len(first)
             unsent.popleft()
-        if self.held:
-            self.account()
+        if self.accounting.held:
+            self.accounting.account()
         if unsent:
             return
         if self.closing:
@@ -433,32 +411,63 @@ class Conn(Accounting):
             self.timer.cancel()
             self.timer = None
         for w in list(self.waiters):
-            core.remove_waiter(w)
+            core.waiters.remove(w)
         self.out = []
         self.unsent = deque()
         self.unsent_size = 0
         self.deferred = None
         self.chunks = None
-        if self.held:
-            self.held = 0
-            core.budget.update(self, 0)
+        self.accounting.release()
         sess = self.session
         self.session = None
         if sess is not None and sess.conn is self and not core.stopping and core.failed is None:
             log.debug("connection from %s closed; ending its session %d", self.peer, sess.id)
             core.end_session(sess)
 
-    # -- timers -----------------------------------------------------------------------------------
-    def arm_ttl(self, when: float) -> None:
+    def shed(self, why: str) -> None:
+        """Drop this connection to keep the server in its memory budget, freeing its buffers.
+
+        Its session is kept for a ttl, for the client to resume; a request it was sending is
+        answered with the error (and not applied), the requests after it are not read."""
+        self.accounting.release()
+        sess = self.session
+        if sess is not None and sess.conn is self:
+            self.session = None
+            self.core.detach_session(sess, _monotonic())
+        rid = 0
+        chunks = self.chunks
+        if chunks is not None and self.chunks_len >= 4 + _HEAD_SIZE and len(chunks[0]) >= 9:
+            rid = _HEAD_unpack_from(chunks[0], 4)[1]  # (assembled below 9 bytes: unnamed)
+        self.chunks = None
+        self.deferred = None
+        if self.unsent or self.closing:  # in the middle of its answers: no error can follow
+            log.warning("dropping the connection from %s: %s", self.peer, why)
+            self.lost(None)
+        else:
+            self.drop(why, P.error(rid, P.E_BUSY, why))
+
+    # -- the handshake and the session's ttl ------------------------------------------------------
+    def greeted(self, sess: "Session", ttl: float) -> None:
+        """The handshake is done: serve the requests of session ``sess``, silent for ``ttl``
+        seconds at most (0: no limit)."""
+        self.session = sess
+        self.ttl = ttl
+        self.greeting = None
+        self.max_frame = self.core.max_frame_size
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if ttl > 0:
+            self._arm_ttl(self.last_recv + ttl)
+
+    def _handshake_timeout(self) -> None:
+        self.timer = None
+        if self.greeting is not None:
+            self.drop(f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
+
+    def _arm_ttl(self, when: float) -> None:
         self.timer_due = when
         self.timer = self.core.loop.call_at(when, self._ttl_check)
-
-    def _readable(self) -> bool:
-        """Whether bytes (or the end of the stream) wait unread on this connection's socket."""
-        try:
-            return bool(select.select([self.fd], [], [], 0)[0])
-        except (OSError, ValueError):
-            return False
 
     def _ttl_check(self) -> None:
         self.timer = None
@@ -467,16 +476,16 @@ class Conn(Accounting):
         now = _monotonic()
         deadline = self.last_recv + self.ttl
         if now < deadline:
-            self.arm_ttl(deadline)
+            self._arm_ttl(deadline)
             return
         if now - self.timer_due > max(1.0, 0.25 * self.ttl):
             # This check runs late: the server itself stalled (stopped, swapped out, busy), so
             # the client's silence proves nothing. Give it a fresh window.
             self.last_recv = now
-            self.arm_ttl(now + self.ttl)
+            self._arm_ttl(now + self.ttl)
             return
-        if self._readable() and self.reading and self.deferred is None:
-            self.arm_ttl(now + 0.05)  # its frames arrived but are not read yet
+        if readable(self.fd) and self.reading and self.deferred is None:
+            self._arm_ttl(now + 0.05)  # its frames arrived but are not read yet
             return
         sess = self.session
         log.warning(

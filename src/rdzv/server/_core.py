@@ -3,9 +3,9 @@
 :class:`Core` owns the :class:`~rdzv.kv.KVState`, the sessions (attached to
 connections, expired when not resumed after a restart) and the commit step that runs at the end
 of every round of the loop: it makes the round's changes durable in the write-ahead log (one
-flush for all of them), then sends every connection's answers (one send each). With the request
-handlers (:mod:`._dispatch`) and the waiters (:mod:`._waiters`) it is everything that runs on
-the loop.
+flush for all of them), then sends every connection's answers (one send each). It has the
+waiters (:mod:`._waiters`) and the table of request handlers (:mod:`._dispatch`): with them and
+its connections (:mod:`._conn`) it is everything that runs on the loop.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ import socket
 from typing import Any, Callable
 
 from ..kv import DEFAULT_SESSION_TTL, KVState, protocol as P
-from ._accounting import Accounting
 from ._budget import MemoryBudget, return_freed_memory
 from ._conn import Conn
 from ._dispatch import RequestHandlers
 from ._loop import EPOLLIN, EventLoop, Timer
 from ._metrics import ServerMetrics, ServerMetricsSnapshot
 from ._wal_format import SessionRequest
-from ._waiters import Waiter
+from ._waiters import Waiters
 
 log = logging.getLogger("rdzv.server")
 
@@ -45,7 +44,7 @@ class Session:
         self.timer: Timer | None = None
 
 
-class Core(RequestHandlers):
+class Core:
     """Everything that runs on the loop: data, sessions, waiters, connections, the log."""
 
     def __init__(
@@ -67,7 +66,7 @@ class Core(RequestHandlers):
         """Answers pending to a connection beyond which its requests are no longer read."""
         self.out_limit = 2 * self.out_high
         """A connection whose unsent answers exceed this is dropped (it does not read them)."""
-        self.budget: MemoryBudget[Accounting] = MemoryBudget(memory_budget, memory_base)
+        self.budget: MemoryBudget[Conn] = MemoryBudget(memory_budget, memory_base)
         if self.budget.for_buffers < self.out_high:
             raise ValueError(
                 f"a memory budget of {_mib(memory_budget)} leaves {_mib(self.budget.for_buffers)} "
@@ -80,13 +79,16 @@ class Core(RequestHandlers):
         self.rview = memoryview(self.rbuf)
         self.conns: set[Conn] = set()
         self.sessions: dict[int, Session] = {}
-        self.waiters: dict[str, set[Waiter]] = {}
+        self.waiters = Waiters(loop, state, send_at_once=wal is None)
         self.dirty: list[Conn] = []
         self.stopping = False
         self.failed: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.metrics = ServerMetrics()
-        self.handlers = self.handler_table()
+        self.handlers = RequestHandlers(
+            state, self.waiters, self.end_session, max_frame_size
+        ).table()
+        """The handler of each opcode."""
         self.mutating = [op in P.MUTATING_OPS for op in range(256)]
         loop.after_round = self.commit
         now = loop.time()
@@ -116,7 +118,7 @@ class Core(RequestHandlers):
         self.loop.register(conn.fd, EPOLLIN, conn)
 
     # -- the memory budget -----------------------------------------------------------------------
-    def shed(self, victims: list[Accounting]) -> None:
+    def shed(self, victims: list[Conn]) -> None:
         """Drop ``victims``, the largest holders of buffers, to stay within the memory budget."""
         stats = self.stats()
         numbers = (
@@ -130,7 +132,8 @@ class Core(RequestHandlers):
             self.budget.shed += 1
             why = (
                 f"the store server is over its memory budget ({numbers}) and this connection "
-                f"holds the most: {conn.holds()}; retry later, or raise the server's --memory-budget"
+                f"holds the most: {conn.accounting.holds()}; retry later, or raise the server's "
+                "--memory-budget"
             )
             conn.shed(why)
         return_freed_memory()
@@ -248,7 +251,7 @@ class Core(RequestHandlers):
         sess.conn = None
         changed = self.state.close_session(sess.id)
         if changed and self.waiters:
-            self.wake(changed)
+            self.waiters.wake(changed)
 
     def detach_session(self, sess: Session, now: float) -> None:
         """Keep ``sess`` without a connection for one ttl (15 s if 0) from ``now``, for its

@@ -29,6 +29,14 @@ _MAX_EVENTS = 1024
 _monotonic = time.monotonic
 
 
+def readable(fd: int) -> bool:
+    """Whether bytes (or the end of the stream) wait unread on the socket ``fd``."""
+    try:
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
+
+
 class Handler(Protocol):
     def on_event(self, events: int) -> None: ...
 

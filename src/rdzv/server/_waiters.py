@@ -3,12 +3,14 @@
 A :class:`Waiter` is registered under the paths it cares about (its keys, or the watched path)
 and answered the moment a write touches one of them and satisfies it, or when its wait runs out
 (TIMEOUT with the keys still missing; a watch answers with the current revision).
-:class:`Waiters` is a part of :class:`~rdzv.server._core.Core`.
+:class:`Waiters`, the registry of the server's core (:class:`~rdzv.server._core.Core`), maps
+each path to the waiters on it: the request handlers add to it, and every write that finds it
+not empty wakes it with the keys it changed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..kv import KVState, dir_paths, protocol as P
 
@@ -35,54 +37,59 @@ class Waiter:
         self.done = False
 
 
-class Waiters:
-    """The waiter registry of :class:`~rdzv.server._core.Core`: path -> waiters on it."""
+class Waiters(dict[str, set[Waiter]]):
+    """The waiters of the server by the paths they wait on (path -> waiters), answered from
+    ``state``: empty, a write has no one to wake (a cheap test, as for any dict)."""
 
-    loop: EventLoop
-    state: KVState
-    wal: Any
-    waiters: dict[str, set[Waiter]]
+    __slots__ = ("loop", "state", "send_at_once")
 
-    def add_waiter(self, w: Waiter, wait_ms: int) -> None:
-        reg = self.waiters
+    def __init__(self, loop: "EventLoop", state: KVState, send_at_once: bool) -> None:
+        super().__init__()
+        self.loop = loop
+        self.state = state
+        self.send_at_once = send_at_once
+        """No write-ahead log: a woken waiter is answered at once (else once the log has it)."""
+
+    def add(self, w: Waiter, wait_ms: int) -> None:
+        """Register ``w`` until a write satisfies it or ``wait_ms`` ran out."""
         for path in w.keys:
-            ws = reg.get(path)
+            ws = self.get(path)
             if ws is None:
-                reg[path] = {w}
+                self[path] = {w}
             else:
                 ws.add(w)
         w.conn.waiters.add(w)
-        w.timer = self.loop.call_later(wait_ms / 1000.0, self._waiter_timeout, w)
+        w.timer = self.loop.call_later(wait_ms / 1000.0, self._timeout, w)
 
-    def remove_waiter(self, w: Waiter) -> None:
+    def remove(self, w: Waiter) -> None:
+        """Unregister ``w`` (answered, timed out, or its connection gone)."""
         w.done = True
         if w.timer is not None:
             w.timer.cancel()
             w.timer = None
-        reg = self.waiters
         for path in w.keys:
-            ws = reg.get(path)
+            ws = self.get(path)
             if ws is not None:
                 ws.discard(w)
                 if not ws:
-                    del reg[path]
+                    del self[path]
         w.conn.waiters.discard(w)
 
     def wake(self, changed: list[str]) -> None:
         """Answer the waiters that a change of the keys ``changed`` satisfies."""
-        reg = self.waiters
+        get = self.get
         hit: list[Waiter] = []
         for key in changed:
             for path in dir_paths(key):
-                ws = reg.get(path)
+                ws = get(path)
                 if ws:
                     hit.extend(ws)
-        send_now = self.wal is None  # else the answers wait for the log
+        send_now = self.send_at_once
         for w in hit:
             if not w.done:
                 resp = self.answer_now(w)
                 if resp is not None:
-                    self.remove_waiter(w)
+                    self.remove(w)
                     w.conn.queue(resp)
                     if send_now:  # the first woken clients run while the others are answered
                         w.conn.flush_out()
@@ -104,11 +111,11 @@ class Waiters:
             return P.ok(w.rid)
         return P.ok(w.rid, P.payload_values(values))  # type: ignore[arg-type]
 
-    def _waiter_timeout(self, w: Waiter) -> None:
+    def _timeout(self, w: Waiter) -> None:
         w.timer = None
         if w.done:
             return
-        self.remove_waiter(w)
+        self.remove(w)
         if w.op == P.OP_WATCH or w.op == P.OP_WATCH_GET:
             resp = self.watch_answer(w, self.state.path_revision(w.keys[0]))
         else:
