@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from contextlib import contextmanager, suppress
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -21,6 +20,8 @@ from torch.distributed.elastic.rendezvous import registry as torch_registry
 import rdzv.torch
 from rdzv import StoreServer
 from rdzv.errors import RendezvousParameterError
+from rdzv.rendezvous import read_status
+from rdzv.store import TCPStore
 from rdzv.torch import TorchRendezvousHandler, TorchStore
 
 WORKER = str(Path(__file__).with_name("_allreduce.py"))
@@ -275,7 +276,10 @@ def test_a_torchrun_node_paused_past_its_session_ttl_joins_again(
             stopped = [paused.pid] + children(paused.pid)  # the whole node: agent and worker
             for pid in stopped:
                 os.kill(pid, signal.SIGSTOP)
-            time.sleep(3.0)  # three times the session ttl (0.5 s x 2)
+            # past its session ttl (0.5 s x 2): the run's status shows it not alive
+            with TCPStore("127.0.0.1", server.port, timeout=30) as observer:
+                wait_for(lambda: any(not m.alive for m in read_status(observer, "job").members),
+                         RESUME_TIMEOUT, "the status to show the paused node not alive")
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)
             assert_training_resumes(progress, len(step_lines(progress)), [first, paused])
