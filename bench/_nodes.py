@@ -15,7 +15,7 @@ new group's store). With all 10,000 nodes on 127.0.0.1 the kernel's search for a
 10,000 reserved ones on one address took about 9 ms of CPU per reservation: a cost of the
 simulation, not of a cluster, where each host reserves one port.
 
-The store server is a real ``rdzv serve`` (``python -m rdzv.server``) in a process of its own
+The store server is a real ``rdzv serve`` (``python -m rdzv serve``) in a process of its own
 (:class:`ServerProcess`), which can count the requests it handled (its ``/metrics``).
 """
 
@@ -184,7 +184,7 @@ class ServerProcess:
     def __init__(self, metrics: bool = False) -> None:
         web = ["--web", f"{HOST}:0"] if metrics else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rdzv.server", "--host", HOST, "--port", "0", *web],
+            [sys.executable, "-m", "rdzv", "serve", "--host", HOST, "--port", "0", *web],
             stderr=subprocess.PIPE, text=True,
         )
         self.port = 0
