@@ -244,8 +244,8 @@ def flood_process(port: int, conns: int, depth: int) -> None:
     stores[0].set("flood", b"x" * 32)
     stores[0].flush()
     for store in stores:  # handshaken; the flood bypasses the client API (and its keepalive)
-        store._lock.acquire()
-    socks = [store._sock for store in stores]
+        store._conn._lock.acquire()
+    socks = [store._conn._sock for store in stores]
     batch = b"".join(P.encode_get(1_000_000 + i, b"flood", False) for i in range(depth))
     answer_size = len(P.ok(1, P.FOUND + b"x" * 32))
     pending = {sock.fileno(): 0 for sock in socks}

@@ -178,7 +178,7 @@ def test_a_conditional_write_in_flight_when_its_session_expired_is_resent_and_fe
         assert store.compare_set("lock", "", "me", ephemeral=True) == b"me"
         first.stop()
         second = StoreServer("127.0.0.1", port).start()
-        store._had_ephemeral = False  # as a client that never held an ephemeral key
+        store._conn._had_ephemeral = False  # as a client that never held an ephemeral key
         assert store.multi_set_if({"lock": "me"}, ["decision"], ["stale"]) is False
         assert store.try_get("decision") is None
     finally:

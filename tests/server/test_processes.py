@@ -176,8 +176,8 @@ def test_recovered_sessions_not_resumed_expire(tmp_path: object) -> None:
         gone.flush()
         server.kill()
         server.wait()
-        gone._disconnect()  # this client never comes back
-        gone._closed = True
+        gone._conn._disconnect()  # this client never comes back
+        gone._conn._closed = True
         server, _ = start_server_process("--data-dir", data_dir, port=port)
         reader = TCPStore("127.0.0.1", port, timeout=30)
         assert reader.try_get("orphan") == b"1"  # kept for a ttl window after the restart
@@ -195,8 +195,8 @@ def test_serve_stops_cleanly_on_sigterm_and_sigint(tmp_path: object) -> None:
         client.set("k", "v")
         server.send_signal(sig)
         assert server.wait(30) == 0
-        client._closed = True
-        client._disconnect()
+        client._conn._closed = True
+        client._conn._disconnect()
 
 
 def test_serve_secret_file_and_bad_options(tmp_path: object) -> None:

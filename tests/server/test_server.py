@@ -418,7 +418,7 @@ def test_session_expired_while_disconnected_is_reported(server: StoreServer, sto
     client = TCPStore("127.0.0.1", server.port, timeout=10, session_ttl=30)
     client.set("mine", "1", ephemeral=True)
     old_session = client.session_id
-    client._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks; the server ends the session
+    client._conn._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks; the server ends the session
     wait_until(lambda: store.try_get("mine") is None, 5, "the session ended")
     with pytest.raises(SessionExpiredError, match=f"session {old_session}"):
         client.set("after", "1")

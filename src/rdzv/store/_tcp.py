@@ -1,13 +1,16 @@
 """TCPStore: a client of the rdzv store server, with torch's ``TCPStore`` constructor.
 
-One TCP connection per store object (``TCP_NODELAY``, blocking socket, one lock: thread safe;
-the connection itself is :mod:`._tcp_conn`), one round trip per call, except for the void writes
-``set`` and ``multi_set``: like torch's ``TCPStore.set`` they return once the request is sent
-(*pipelined*). Their acknowledgements are collected, in order, by the next call that waits for an
-answer (any read or returning write), by :meth:`TCPStore.flush`, or by ``close()``; a pipelined
-write that failed is raised by that next call, naming the write. At most ``MAX_UNACKED_WRITES``
-(or ``MAX_UNACKED_BYTES``) stay unacknowledged; beyond that a write waits for the earlier
-acknowledgements.
+One TCP connection per store object (``TCP_NODELAY``, blocking socket, one lock: thread safe),
+one round trip per call, except for the void writes ``set`` and ``multi_set``: like torch's
+``TCPStore.set`` they return once the request is sent (*pipelined*). Their acknowledgements are
+collected, in order, by the next call that waits for an answer (any read or returning write), by
+:meth:`TCPStore.flush`, or by ``close()``; a pipelined write that failed is raised by that next
+call, naming the write. At most ``MAX_UNACKED_WRITES`` (or ``MAX_UNACKED_BYTES``) stay
+unacknowledged; beyond that a write waits for the earlier acknowledgements.
+
+:class:`TCPStore` encodes each call's request (:mod:`rdzv.kv.protocol`) and has its
+:class:`~._tcp_conn.StoreConnection` send it and read the answer; the blocking reads wait on the
+server in slices (:mod:`._tcp_blocking`); a master store also holds its embedded server.
 
 The connection carries a *session*: keys set with ``ephemeral=True`` live as long as it. A
 keepalive thread pings an idle connection every ``session_ttl / 3`` seconds, and blocking calls
@@ -28,24 +31,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import struct
-import threading
 import time
 import weakref
 from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
-from ..errors import (
-    StoreError,
-    StoreProtocolError,
-    StoreTimeoutError,
-    StoreUnsupportedError,
-    StoreValueError,
-)
+from ..errors import StoreProtocolError, StoreTimeoutError, StoreUnsupportedError, StoreValueError
 from ..kv import DEFAULT_SESSION_TTL, auth, protocol as P
+from . import _tcp_blocking as blocking
 from ._base import (
     DEFAULT_TIMEOUT,
     Conditions,
     Reads,
+    Store,
     StoreCapabilities,
     Timeout,
     Value,
@@ -54,9 +52,8 @@ from ._base import (
     to_bytes,
 )
 from ._embedded import check_arguments, start_server, stop_server
-from ._keepalive import KEEPALIVE
-from ._tcp_blocking import BlockingCalls
-from ._tcp_conn import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, log
+from ._tcp_conn import StoreConnection, log
+from ._tcp_pipeline import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES
 
 __all__ = ["INIT_KEY", "MAX_UNACKED_BYTES", "MAX_UNACKED_WRITES", "TCPStore"]
 
@@ -64,6 +61,7 @@ INIT_KEY = "init/"
 """The counter that clients increment when created with a world size (as torch's do)."""
 _OK = P.STATUS_OK
 _encode_set = P.encode_set
+_encode_get = P.encode_get
 _TIMEOUT = P.STATUS_TIMEOUT
 _monotonic = time.monotonic
 
@@ -91,7 +89,7 @@ def _bind_host(host_name: str) -> str:
     return "::" if ":" in host_name else "0.0.0.0"
 
 
-class TCPStore(BlockingCalls):
+class TCPStore(Store):
     """A store served by an rdzv store server (``rdzv serve``, or embedded with ``is_master``).
 
     The arguments are torch's: ``is_master=True`` starts a :class:`~rdzv.server.StoreServer` in
@@ -133,21 +131,21 @@ class TCPStore(BlockingCalls):
         session_ttl = float(session_ttl)
         if not session_ttl >= 0:
             raise ValueError(f"session_ttl must be >= 0, got {session_ttl}")
-        self._init_connection(host_name, port, secret, session_ttl)
+        shared = auth.normalize_secret(secret) if secret is not None else auth.secret_from_env()
         self._server = None
         self._finalizer: weakref.finalize | None = None
+        if is_master:
+            server = start_server(_bind_host(host_name), port, shared, master_listen_fd, multi_tenant)
+            self._server = server
+            port = server.port
+            self._finalizer = weakref.finalize(self, stop_server, server)
+        self._conn = StoreConnection(host_name, port, shared, session_ttl, self._timeout)
+        self._slice_ms = P.wait_ms(self._conn.ping_every)
+        """A whole server-side wait of a blocking read (see :mod:`._tcp_blocking`)."""
+        self._server_lacks_watch_get = False
         try:
-            if is_master:
-                server = start_server(
-                    _bind_host(host_name), self._port, self._secret, master_listen_fd, multi_tenant
-                )
-                self._server = server
-                self._port = server.port
-                self._finalizer = weakref.finalize(self, stop_server, server)
             deadline = _monotonic() + self._timeout
-            with self._lock:
-                self._connect(deadline, None)
-            KEEPALIVE.register(self)
+            self._conn.open(deadline)
             if world_size is not None and wait_for_workers:
                 self.add(INIT_KEY, 1)
                 if is_master:
@@ -159,16 +157,16 @@ class TCPStore(BlockingCalls):
     # -- torch's attributes -------------------------------------------------------------------
     @property
     def host(self) -> str:
-        return self._host
+        return self._conn.host
 
     @property
     def port(self) -> int:
-        return self._port
+        return self._conn.port
 
     @property
     def session_id(self) -> int:
         """The server's id of this client's session (0 before the first connection)."""
-        return self._session
+        return self._conn.session
 
     @property
     def server(self):  # type: ignore[no-untyped-def]
@@ -176,29 +174,30 @@ class TCPStore(BlockingCalls):
         return self._server
 
     def __repr__(self) -> str:
-        return f"TCPStore({self._host}:{self._port}, session {self._session})"
+        return f"TCPStore({self._conn.addr}, session {self._conn.session})"
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        super().set_timeout(timeout)
+        self._conn.timeout = self._timeout
 
     # -- writes ---------------------------------------------------------------------------------
     def set(self, key: str, value: Value, *, ephemeral: bool = False) -> None:
         if key.__class__ is not str or not key:
             check_key(key)
         vb = value if value.__class__ is bytes else to_bytes(value)
-        with self._lock:
-            rid = self._rid = self._rid + 1
-            self._send_write(_encode_set(rid, key.encode(), vb, ephemeral, True), rid, "set", key)
-            if ephemeral:
-                self._had_ephemeral = True
+        self._conn.send_write(
+            _encode_set, (key.encode(), vb, ephemeral, True), "set", key, ephemeral=ephemeral
+        )
 
     def add(self, key: str, amount: int) -> int:
         kb = check_key(key).encode()
+        conn = self._conn
         try:
-            with self._lock:
-                rid = self._rid = self._rid + 1
-                status, payload = self._request(P.encode_add(rid, kb, int(amount)), rid)
+            status, payload = conn.request(P.encode_add, (kb, int(amount)))
         except struct.error:
             raise StoreValueError(f"add({key!r}, {amount}): the amount is not a 64-bit integer") from None
         if status:
-            raise self._error(status, payload, "add", key)
+            raise conn.error(status, payload, "add", key)
         return int(payload)
 
     def compare_set(
@@ -206,13 +205,12 @@ class TCPStore(BlockingCalls):
     ) -> bytes:
         kb = check_key(key).encode()
         exp, des = to_bytes(expected), to_bytes(desired)
-        with self._lock:
-            rid = self._rid = self._rid + 1
-            status, payload = self._request(P.encode_compare_set(rid, kb, exp, des, ephemeral), rid)
-            if ephemeral:
-                self._had_ephemeral = True
+        conn = self._conn
+        status, payload = conn.request(
+            P.encode_compare_set, (kb, exp, des, ephemeral), ephemeral=ephemeral
+        )
         if status:
-            raise self._error(status, payload, "compare_set", key)
+            raise conn.error(status, payload, "compare_set", key)
         return payload
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
@@ -222,9 +220,7 @@ class TCPStore(BlockingCalls):
             raise StoreValueError(f"multi_set got {len(kbs)} keys but {len(vbs)} values")
         if not kbs:
             return
-        with self._lock:
-            rid = self._rid = self._rid + 1
-            self._send_write(P.encode_multi_set(rid, kbs, vbs), rid, "multi_set", keys[0])
+        self._conn.send_write(P.encode_multi_set, (kbs, vbs), "multi_set", keys[0])
 
     def multi_set_if(
         self, conditions: Conditions, keys: Sequence[str], values: Sequence[Value]
@@ -239,9 +235,9 @@ class TCPStore(BlockingCalls):
         kbs = [k.encode() for k in names]
         first = next(iter(checked))
         try:
-            return P.decode_bool(self._simple(
-                lambda rid: P.encode_multi_set_if(rid, conds, kbs, data), "multi_set_if", first
-            ))  # fmt: skip
+            return P.decode_bool(
+                self._conn.call(P.encode_multi_set_if, (conds, kbs, data), "multi_set_if", first)
+            )
         except StoreProtocolError as exc:
             if exc.code != P.E_UNKNOWN_OP:
                 raise
@@ -250,44 +246,41 @@ class TCPStore(BlockingCalls):
 
     def _lacks_multi_set_if(self) -> StoreUnsupportedError:
         return StoreUnsupportedError(
-            f"the store server at {self._host}:{self._port} predates conditional writes "
+            f"the store server at {self._conn.addr} predates conditional writes "
             "(multi_set_if): upgrade it to this rdzv version (rdzv serve)"
         )
 
     def append(self, key: str, value: Value) -> None:
         kb = check_key(key).encode()
         vb = to_bytes(value)
-        self._simple(lambda rid: P.encode_append(rid, kb, vb), "append", key)
+        self._conn.call(P.encode_append, (kb, vb), "append", key)
 
     def delete_key(self, key: str) -> bool:
         kb = check_key(key).encode()
-        return P.decode_bool(self._simple(lambda rid: P.encode_delete(rid, kb), "delete_key", key))
+        return P.decode_bool(self._conn.call(P.encode_delete, (kb,), "delete_key", key))
 
     # -- reads ------------------------------------------------------------------------------------
     def try_get(self, key: str) -> bytes | None:
         kb = check_key(key).encode()
-        return _found(self._simple(lambda rid: P.encode_get(rid, kb, False), "try_get", key))
+        return _found(self._conn.call(_encode_get, (kb, False), "try_get", key))
 
     def check(self, keys: Sequence[str]) -> bool:
         kbs = [check_key(k).encode() for k in keys]
         if not kbs:
             return True
-        return P.decode_bool(self._simple(lambda rid: P.encode_check(rid, kbs), "check"))
+        return P.decode_bool(self._conn.call(P.encode_check, (kbs,), "check"))
 
     def num_keys(self) -> int:
-        return P.decode_u64(self._simple(P.encode_num_keys, "num_keys"))
+        return P.decode_u64(self._conn.call(P.encode_num_keys, (), "num_keys"))
 
     def list_keys(self, prefix: str) -> dict[str, bytes]:
-        pb = prefix.encode()
-        return P.decode_items(self._simple(lambda rid: P.encode_list_keys(rid, pb), "list_keys"))
+        return P.decode_items(self._conn.call(P.encode_list_keys, (prefix.encode(),), "list_keys"))
 
     def count_keys(self, prefix: str) -> int:
-        pb = prefix.encode()
-        return P.decode_u64(self._simple(lambda rid: P.encode_count_keys(rid, pb), "count_keys"))
+        return P.decode_u64(self._conn.call(P.encode_count_keys, (prefix.encode(),), "count_keys"))
 
     def revision(self, path: str = "") -> int:
-        pb = path.encode()
-        return P.decode_u64(self._simple(lambda rid: P.encode_revision(rid, pb), "revision"))
+        return P.decode_u64(self._conn.call(P.encode_revision, (path.encode(),), "revision"))
 
     def read_many(
         self,
@@ -306,14 +299,11 @@ class TCPStore(BlockingCalls):
         ]
         if not asked:
             return Reads({}, {}, {}, {})
-        with self._lock:
-            first = self._rid + 1
-            self._rid += len(asked)
-            frames = [_READ_ENCODERS[op](first + i, arg) for i, (op, arg, _, _) in enumerate(asked)]
-            answers = self._exchange_many(frames, first)
+        conn = self._conn
+        answers = conn.exchange_many([(_READ_ENCODERS[op], arg) for op, arg, _, _ in asked])
         for (status, payload), (_, _, what, name) in zip(answers, asked):
             if status:
-                raise self._error(status, payload, what, name)
+                raise conn.error(status, payload, what, name)
         ends = list(itertools.accumulate((len(revisions), len(keys), len(counts))))
         return Reads(
             {k: _found(payload) for k, (_, payload) in zip(keys, answers[ends[0] :])},
@@ -322,30 +312,71 @@ class TCPStore(BlockingCalls):
             {p: P.decode_items(payload) for p, (_, payload) in zip(lists, answers[ends[2] :])},
         )
 
+    # -- blocking reads (waits on the server: :mod:`._tcp_blocking`) ------------------------------
+    def get(self, key: str) -> bytes:
+        if key.__class__ is not str or not key:
+            check_key(key)
+        conn = self._conn
+        timeout = self._timeout
+        if timeout < conn.ping_every:
+            return blocking.get(conn, key, timeout)
+        # Fast path: the first (often the only) server-side wait is a whole slice.
+        started = _monotonic()
+        status, payload = conn.request(
+            _encode_get, (key.encode(), True, self._slice_ms), started + timeout
+        )
+        if status == _OK:
+            return payload
+        if status != _TIMEOUT:
+            raise conn.error(status, payload, "get", key)
+        if _monotonic() >= started + timeout:
+            raise StoreTimeoutError.waiting_for([key], timeout)
+        return blocking.get(conn, key, timeout, started + timeout)
+
+    def _get_blocking(self, keys: list[str], timeout: float) -> list[bytes]:
+        return blocking.multi_get(self._conn, keys, timeout)
+
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        blocking.wait(self._conn, keys, timeout)
+
+    def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
+        pb, since = path.encode(), int(since)
+        encode = lambda rid, wait: P.encode_watch(rid, pb, since, wait)  # noqa: E731
+        return P.decode_u64(blocking.watch(self._conn, encode, "watch", path, since, timeout))
+
+    def watch_get(
+        self, path: str, since: int, key: str, timeout: Timeout = None
+    ) -> tuple[int, bytes | None]:
+        if not self._server_lacks_watch_get:
+            pb, kb, since = path.encode(), check_key(key).encode(), int(since)
+            encode = lambda rid, wait: P.encode_watch_get(rid, pb, since, wait, kb)  # noqa: E731
+            try:
+                return P.decode_watch_get(
+                    blocking.watch(self._conn, encode, "watch_get", path, since, timeout)
+                )
+            except StoreProtocolError as exc:
+                if exc.code != P.E_UNKNOWN_OP:
+                    raise
+            log.info("the store server at %s predates watch_get: watch, then get", self._conn.addr)
+            self._server_lacks_watch_get = True
+        return super().watch_get(path, since, key, timeout)
+
+    # -- batches, flush, close ------------------------------------------------------------------
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Writes this thread makes inside go out with the next request, in one message with it
         (at the latest when the block ends), instead of one message each. One thread at a time:
         in another thread's block, writes are sent at once."""
-        me = threading.get_ident()
-        with self._lock:
-            if self._batch_owner is None:
-                self._batch_owner = me
-            mine = self._batch_owner == me
-            self._batch_depth += mine
+        mine = self._conn.begin_batch()
         try:
             yield
         finally:
             if mine:
-                with self._lock:
-                    self._batch_depth -= 1
-                    if not self._batch_depth:
-                        self._batch_owner = None
-                        self._send_held()
+                self._conn.end_batch()
 
     def ping(self) -> None:
         """One round trip to the server (reconnecting if needed)."""
-        self._simple(P.encode_ping, "ping")
+        self._conn.call(P.encode_ping, (), "ping")
 
     def flush(self) -> None:
         """Wait until the server has acknowledged every earlier write of this client.
@@ -355,15 +386,8 @@ class TCPStore(BlockingCalls):
         every other client. Raises the error of a write that failed. Any call that returns an
         answer from the server (a read, ``add``, ``compare_set``...) implies the same.
         """
-        with self._lock:
-            if not self._unacked and self._write_error is None:
-                return
-            rid = self._rid = self._rid + 1
-            status, payload = self._request(P.encode_ping(rid), rid)
-        if status:
-            raise self._error(status, payload, "flush", None)
+        self._conn.flush()
 
-    # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
         """End this client's session (its ephemeral keys go at once) and close the connection.
 
@@ -371,40 +395,9 @@ class TCPStore(BlockingCalls):
         5 s); if that fails it is logged, not raised (call :meth:`flush` to know). A master
         store also stops its embedded server.
         """
-        with self._lock:
-            if not self._closed:
-                if self._unacked or self._write_error is not None:
-                    self._flush_before_close()
-                self._closed = True
-                sock = self._sock
-                if sock is not None:
-                    try:
-                        rid = self._rid = self._rid + 1
-                        self._set_reply_timeout(sock, 5.0)
-                        sock.sendall(P.encode_close_session(rid))
-                        self._read_response(sock, rid)
-                    except (OSError, StoreError):
-                        pass
-                    self._disconnect()
-                self._close_stale()
-        KEEPALIVE.unregister(self)
+        self._conn.close()
         if self._finalizer is not None:
             self._finalizer()
-
-    def _flush_before_close(self) -> None:
-        """Collect the answers of the pipelined writes (reconnecting for at most 5 s), logging
-        a failure: close() never raises; call flush() first to know. Lock held."""
-        rid = self._rid = self._rid + 1
-        try:
-            self._request(P.encode_ping(rid), rid, _monotonic() + min(self._timeout, 5.0))
-        except StoreError as exc:
-            log.warning(
-                "closing the store client of %s:%d: %s%s",
-                self._host,
-                self._port,
-                f"{len(self._unacked)} write(s) may be lost: " if self._unacked else "",
-                exc,
-            )
 
     def _wait_for_workers(self, world_size: int, deadline: float) -> None:
         while True:
@@ -416,8 +409,8 @@ class TCPStore(BlockingCalls):
             if remaining <= 0:
                 raise StoreTimeoutError(
                     f"Timed out after {self._timeout:g} seconds waiting for clients. "
-                    f"{joined}/{world_size} clients joined. (the store at {self._host}:"
-                    f"{self._port}: start the other {world_size - joined}, or raise the timeout)",
+                    f"{joined}/{world_size} clients joined. (the store at {self._conn.addr}: "
+                    f"start the other {world_size - joined}, or raise the timeout)",
                     (INIT_KEY,),
                 )
             self.watch(INIT_KEY, rev, remaining)

@@ -1,265 +1,348 @@
 """The TCPStore's connection: requests and answers, pipelining, reconnects, keepalive.
 
-:class:`StoreConnection` is the half of :class:`~rdzv.store.TCPStore` that talks to the server:
-one blocking socket (``TCP_NODELAY``) under one lock. It sends a request and reads its answer,
-sends the void writes without waiting (*pipelined*: their answers, or for quiet SETs the answer
-to any later request, confirm them in order), re-establishes a lost connection within the call's
-timeout (resuming the session and resending every unconfirmed write, in order; after a session
-expired, only what is safe to apply again: :meth:`StoreConnection._drop_unresendable`), and maps the
-server's errors to the rdzv error types. Its keepalive pings an idle connection (called every
-``session_ttl / 3`` seconds by the one keepalive thread of the process). The handshake of each
-new connection is :mod:`._tcp_handshake`.
+:class:`StoreConnection` is what a :class:`~rdzv.store.TCPStore` talks to its server through:
+one blocking socket (``TCP_NODELAY``) under one lock. It numbers each request (under the lock,
+so that the ids reach the server in order), sends it and reads its answer, sends the void writes
+without waiting (*pipelined*: their answers, or for quiet SETs the answer to any later request,
+confirm them in order; its :class:`~._tcp_pipeline.Pipeline` keeps them), and re-establishes a
+lost connection within the call's timeout, with backoff: :func:`~._tcp_handshake.handshake`
+greets the server, resuming the session, and every unconfirmed write is resent, in order (after
+a session expired, only what is safe to apply again). The server's error answers become rdzv
+errors (:mod:`._tcp_errors`). The keepalive thread of the process (:mod:`._keepalive`) pings it
+when idle for ``session_ttl / 3`` seconds.
+
+A request is given as an encoder of :mod:`rdzv.kv.protocol` and its arguments after the request
+id: ``encode(rid, *args)`` is called with the lock held, once the id is drawn.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
-from collections import deque
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from .._patience import Patience
-from ..errors import (
-    SessionExpiredError,
-    StoreAuthenticationError,
-    StoreConnectionError,
-    StoreError,
-    StoreProtocolError,
-    StoreValueError,
-)
-from ..kv import auth, protocol as P
-from ._tcp_handshake import HANDSHAKE_TIMEOUT, ClientHandshake, _ConnectionLost
+from ..errors import SessionExpiredError, StoreError
+from ..kv import protocol as P
+from . import _tcp_errors as E
+from ._keepalive import KEEPALIVE
+from ._tcp_handshake import HANDSHAKE_TIMEOUT, handshake
+from ._tcp_pipeline import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, Pipeline
 
 log = logging.getLogger("rdzv.store.tcp")
 
+Encoder = Callable[..., bytes]
+"""A request encoder: ``encode(rid, *args)`` is the request's frame."""
+
 _MAX_BACKOFF = 1.0
-MAX_UNACKED_WRITES = 256
-"""Pipelined writes a client may have unacknowledged before a write waits for their answers."""
-MAX_UNACKED_BYTES = 4 << 20
-"""... and their total size in bytes (the client keeps them to resend after a reconnect)."""
-_RESP_unpack_from = P.RESP_HEAD.unpack_from
-_OK = P.STATUS_OK
 _monotonic = time.monotonic
+_SO_RCVTIMEO: int | None = getattr(socket, "SO_RCVTIMEO", None)
+_SO_SNDTIMEO: int | None = getattr(socket, "SO_SNDTIMEO", None)
 
 
-def _describe(exc: BaseException | None, reply_timeout: float | None = None) -> str:
-    if exc is None:
-        return "not connected"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, (BlockingIOError, socket.timeout)):
-        return f"no reply within {reply_timeout:g} s" if reply_timeout else "timed out"
-    if isinstance(exc, socket.gaierror):
-        return (f"cannot resolve the host name ({exc.strerror}; a well-formed name is retried "
-                "until the timeout, as a new pod's DNS name can take a while to appear)")
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return str(exc) or type(exc).__name__
+def _set_reply_timeout(sock: socket.socket, seconds: float) -> None:
+    if _SO_RCVTIMEO is not None and _SO_SNDTIMEO is not None:
+        sec = int(seconds)
+        tv = struct.pack("@ll", sec, int((seconds - sec) * 1e6))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, _SO_SNDTIMEO, tv)
+            return
+        except OSError:  # pragma: no cover - platform without timeval socket timeouts
+            pass
+    sock.settimeout(seconds)
 
 
+class StoreConnection:
+    """The connection of a :class:`~rdzv.store.TCPStore` to ``host:port`` (see the module
+    docstring). Thread safe; not open until :meth:`open`."""
 
-class StoreConnection(ClientHandshake):
-    """The connection half of :class:`~rdzv.store.TCPStore` (see the module docstring)."""
-
-    _timeout: float
-    """The store's timeout in seconds (set by :class:`~rdzv.store.Store`)."""
-
-    def _init_connection(
-        self, host_name: str, port: int, secret: auth.Secret, session_ttl: float
+    def __init__(
+        self, host: str, port: int, secret: bytes | None, session_ttl: float, timeout: float
     ) -> None:
-        """Set up (not yet open) the connection to ``host_name:port``."""
-        self._host = host_name
-        self._port = int(port)
-        self._secret = auth.normalize_secret(secret) if secret is not None else auth.secret_from_env()
+        self.host = host
+        self.port = port
+        self.addr = f"{host}:{port}"
+        self.timeout = timeout
+        """The store's timeout in seconds: how long a request retries a lost connection."""
+        self._secret = secret
         self._ttl = session_ttl
-        self._ping_every = session_ttl / 3.0 if session_ttl > 0 else 60.0
+        self.ping_every = session_ttl / 3.0 if session_ttl > 0 else 60.0
+        """The keepalive period, and the longest server-side wait of a blocking call."""
         # How long to wait for any answer before taking the server for dead (and reconnecting):
-        # longer than the longest server-side wait (one chunk), and fixed, so that the socket
+        # longer than the longest server-side wait (one slice), and fixed, so that the socket
         # option is set once per connection.
-        self._reply_timeout = max(2.0 * self._ping_every + 1.0, 5.0)
-        self._chunk_ms = P.wait_ms(self._ping_every)
+        self._reply_timeout = max(2.0 * self.ping_every + 1.0, 5.0)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._stale: socket.socket | None = None
-        self._rbuf = b""
         self._rid = 0
-        self._session = 0
+        self.session = 0
+        """The server's id of this client's session (0 before the first connection)."""
         self._token = b""
         """The resume token of the session (the proof that it is this client's)."""
         self._had_ephemeral = False
-        self._max_frame = P.DEFAULT_MAX_FRAME_SIZE
+        self._pipe = Pipeline(self.addr)
         self._closed = False
         self._pending_error: BaseException | None = None
-        self._unacked: deque[tuple[int, bytes, str, str | None]] = deque()
-        """Pipelined writes sent but not yet acknowledged: (request id, frame, op name, key)."""
-        self._unacked_bytes = 0
-        self._write_error: StoreError | None = None
+        """An error of the keepalive's ping (the session expired) for the next call to raise."""
         self._last_send = _monotonic()
-        self._held: list[bytes] = []
-        """Pipelined writes made inside :meth:`TCPStore.batch`, not sent yet: they go out with
-        the next request (one message instead of several), at the latest when the block ends."""
         self._batch_owner: int | None = None
-        """The thread in a :meth:`TCPStore.batch` block (only its writes are held)."""
+        """The thread in a batch (only its writes are held)."""
         self._batch_depth = 0
-        self._server_lacks_watch_get = False
 
-    def _simple(self, encode: Callable[[int], bytes], what: str, key: str | None = None) -> bytes:
+    # -- what the store calls ---------------------------------------------------------------------
+    def open(self, deadline: float) -> None:
+        """Connect (retrying until ``deadline``) and have the keepalive ping this connection."""
+        with self._lock:
+            self._connect(deadline, None)
+        KEEPALIVE.register(self)
+
+    def request(
+        self, encode: Encoder, args: tuple[Any, ...], deadline: float | None = None, *,
+        ephemeral: bool = False,
+    ) -> tuple[int, bytes]:
+        """(status, payload) of the answer to the request ``encode(rid, *args)``.
+
+        A lost connection is re-established until ``deadline`` (default: :attr:`timeout` from
+        then), and the unacknowledged writes and this request are resent, in order; the server
+        applies none of them twice. Raises the error of an earlier pipelined write that the
+        answers read on the way report. ``ephemeral``: the request writes an ephemeral key.
+        """
         with self._lock:
             rid = self._rid = self._rid + 1
-            status, payload = self._request(encode(rid), rid)
+            result = self._request(encode(rid, *args), rid, deadline)
+            if ephemeral:
+                self._had_ephemeral = True
+        return result
+
+    def call(self, encode: Encoder, args: tuple[Any, ...], what: str, key: str | None = None) -> bytes:
+        """The payload of the answer to ``encode(rid, *args)``; an error answer raises (the
+        error of ``what``, about ``key``)."""
+        with self._lock:
+            rid = self._rid = self._rid + 1
+            status, payload = self._request(encode(rid, *args), rid)
         if status:
-            raise self._error(status, payload, what, key)
+            raise self.error(status, payload, what, key)
         return payload
 
-    def _send_write(self, frame: bytes, rid: int, what: str, key: str | None) -> None:
-        """Send a void write without waiting for its answer (pipelined). Lock held.
+    def send_write(
+        self, encode: Encoder, args: tuple[Any, ...], what: str, key: str | None, *,
+        ephemeral: bool = False,
+    ) -> None:
+        """Send the void write ``encode(rid, *args)`` without waiting for its answer.
 
         The write is kept until acknowledged (to be resent after a reconnect); with too many
         unacknowledged, or no connection, this waits for the answers (reconnecting if needed).
+        A write that fails is raised by the next call that reads an answer, naming it
+        (``what``, ``key``).
         """
-        if self._pending_error is not None:
-            exc, self._pending_error = self._pending_error, None
-            raise exc
-        size = len(frame)
-        if size > self._max_frame + 4:
-            self._check_frame_size(frame)
-        unacked = self._unacked
-        unacked.append((rid, frame, what, key))
-        self._unacked_bytes += size
-        sock = self._sock
-        if sock is not None:
-            if (
-                self._batch_owner == threading.get_ident()
-                and len(unacked) <= MAX_UNACKED_WRITES
-                and self._unacked_bytes <= MAX_UNACKED_BYTES
-            ):
-                self._held.append(frame)  # (already in unacked: resent if the connection drops)
+        with self._lock:
+            rid = self._rid = self._rid + 1
+            frame = encode(rid, *args)
+            if self._pending_error is not None:
+                exc, self._pending_error = self._pending_error, None
+                raise exc
+            pipe = self._pipe
+            size = len(frame)
+            if size > pipe.max_frame + 4:
+                self._check_frame_size(frame)
+            unacked = pipe.unacked
+            unacked.append((rid, frame, what, key))
+            pipe.unacked_bytes += size
+            room = len(unacked) <= MAX_UNACKED_WRITES and pipe.unacked_bytes <= MAX_UNACKED_BYTES
+            sock = self._sock
+            if sock is not None and self._batch_owner == threading.get_ident() and room:
+                pipe.held.append(frame)  # (already in unacked: resent if the connection drops)
+            else:
+                if sock is not None:
+                    try:  # (not counted as a sign of life: the keepalive may ping a busy writer)
+                        sock.sendall(pipe.with_held(frame) if pipe.held else frame)
+                    except OSError as exc:
+                        log.debug("connection to %s lost: %s", self.addr, exc)
+                        self._disconnect(exc)
+                        sock = None
+                if sock is None or not room:  # wait for the answers (reconnecting if needed)
+                    ping = self._rid = self._rid + 1
+                    self._request(P.encode_ping(ping), ping)
+            if ephemeral:
+                self._had_ephemeral = True
+
+    def exchange_many(self, requests: Sequence[tuple[Encoder, bytes]]) -> list[tuple[int, bytes]]:
+        """Send the read-only requests ``encode(rid, arg)`` in one write, then read their
+        answers, (status, payload) each: one round trip.
+
+        Reads are idempotent: if the connection is lost, the ones not yet answered are sent
+        again, one by one, over the new connection.
+        """
+        with self._lock:
+            pipe = self._pipe
+            first = self._rid + 1
+            self._rid += len(requests)
+            frames = [encode(first + i, arg) for i, (encode, arg) in enumerate(requests)]
+            for frame in frames:
+                self._check_frame_size(frame)
+            answers: list[tuple[int, bytes]] = []
+            sock = self._sock
+            if sock is not None and self._pending_error is None:
+                try:
+                    self._last_send = _monotonic()
+                    sock.sendall(pipe.with_held(b"".join(frames)))
+                    for i in range(len(frames)):
+                        answers.append(pipe.read(sock, first + i))
+                except StoreError:
+                    self._disconnect()
+                    raise
+                except OSError as exc:
+                    log.debug("connection to %s lost: %s", self.addr, exc)
+                    self._disconnect(exc)
+            deadline = _monotonic() + self.timeout
+            for i in range(len(answers), len(frames)):
+                answers.append(self._request_slow(frames[i], first + i, deadline, None))
+            if pipe.write_error is not None:
+                err, pipe.write_error = pipe.write_error, None
+                raise err
+            return answers
+
+    def flush(self) -> None:
+        """Wait until the server has acknowledged every earlier write; raise the error of one
+        that failed."""
+        with self._lock:
+            if not self._pipe.unacked and self._pipe.write_error is None:
                 return
-            try:  # (not counted as a sign of life: the keepalive may ping a busy writer)
-                sock.sendall(self._with_held(frame))
-            except OSError as exc:
-                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
-                self._disconnect(exc)
-            else:
-                if len(unacked) <= MAX_UNACKED_WRITES and self._unacked_bytes <= MAX_UNACKED_BYTES:
-                    return
-        ping = self._rid = self._rid + 1
-        self._request(P.encode_ping(ping), ping)
+            rid = self._rid = self._rid + 1
+            status, payload = self._request(P.encode_ping(rid), rid)
+        if status:
+            raise self.error(status, payload, "flush", None)
 
-    def _with_held(self, frame: bytes) -> bytes:
-        """``frame`` after the held writes, which are then no longer held."""
-        if not self._held:
-            return frame
-        self._held.append(frame)
-        data = b"".join(self._held)
-        self._held.clear()
-        return data
+    def begin_batch(self) -> bool:
+        """Open a batch of this thread: its writes are held back until its next request, at
+        the latest until :meth:`end_batch`. False (nothing held, no end_batch to call) while
+        another thread's batch is open."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._batch_owner is None:
+                self._batch_owner = me
+            mine = self._batch_owner == me
+            self._batch_depth += mine
+        return mine
 
-    def _send_held(self) -> None:
-        """Send the held writes now (the end of a batch). Lock held."""
-        sock = self._sock
-        if self._held and sock is not None:
+    def end_batch(self) -> None:
+        """End this thread's (innermost) batch; the outermost sends the held writes."""
+        with self._lock:
+            self._batch_depth -= 1
+            if not self._batch_depth:
+                self._batch_owner = None
+                self._send_held()
+
+    def close(self) -> None:
+        """End the session (its ephemeral keys go at once) and close the connection.
+
+        Pipelined writes not yet acknowledged are confirmed first (reconnecting for at most
+        5 s); if that fails it is logged, not raised.
+        """
+        with self._lock:
+            if not self._closed:
+                if self._pipe.unacked or self._pipe.write_error is not None:
+                    self._flush_before_close()
+                self._closed = True
+                sock = self._sock
+                if sock is not None:
+                    try:
+                        rid = self._rid = self._rid + 1
+                        _set_reply_timeout(sock, 5.0)
+                        sock.sendall(P.encode_close_session(rid))
+                        self._pipe.read(sock, rid)
+                    except (OSError, StoreError):
+                        pass
+                    self._disconnect()
+                self._close_stale()
+        KEEPALIVE.unregister(self)
+
+    def error(self, status: int, payload: bytes, what: str, key: str | None) -> StoreError:
+        """The rdzv error for the server's error answer to ``what`` (about ``key``)."""
+        return E.answer_error(self.addr, status, payload, what, key)
+
+    # -- keepalive (called by the keepalive thread) ---------------------------------------------
+    def keepalive_due(self) -> float:
+        return self._last_send + self.ping_every
+
+    def keepalive(self) -> None:
+        """Ping the server if nothing was sent for a period (and no call is under way)."""
+        if self._closed or not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed or _monotonic() - self._last_send < self.ping_every:
+                return
+            rid = self._rid = self._rid + 1
             try:
-                sock.sendall(self._with_held(b""))
-            except OSError as exc:  # they are resent, in order, by the next call's reconnect
-                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
-                self._disconnect(exc)
+                self._request(P.encode_ping(rid), rid, _monotonic() + self.ping_every, report=False)
+            except SessionExpiredError as exc:
+                self._pending_error = exc
+            except (StoreError, OSError) as exc:
+                self._last_send = _monotonic()  # retry at the next period, not at once
+                log.debug("keepalive to %s failed: %s", self.addr, exc)
+        finally:
+            self._lock.release()
 
-    def _drop_unresendable(self) -> list[str]:
-        """The session expired: forget the unacknowledged writes that must not be sent again
-        in the new session (see :data:`~rdzv.kv.protocol.RESENDABLE_AFTER_EXPIRY`);
-        returns them, named (``set('key')``), for the error that reports them."""
-        kept: deque[tuple[int, bytes, str, str | None]] = deque()
-        dropped = []
-        for unacked in self._unacked:
-            if P.resendable_after_expiry(unacked[1]):
-                kept.append(unacked)
-            else:
-                dropped.append(f"{unacked[2]}({unacked[3]!r})")
-        self._unacked_bytes = sum(len(u[1]) for u in kept)
-        self._unacked = kept
-        return dropped
+    # -- sending (lock held) ------------------------------------------------------------------
+    def _send_held(self) -> None:
+        """Send the writes held back by the batch that ended."""
+        sock = self._sock
+        if self._pipe.held and sock is not None:
+            try:
+                sock.sendall(self._pipe.with_held(b""))
+            except OSError as exc:  # they are resent, in order, by the next call's reconnect
+                log.debug("connection to %s lost: %s", self.addr, exc)
+                self._disconnect(exc)
 
     def _check_frame_size(self, frame: bytes) -> None:
-        if len(frame) > self._max_frame + 4:
-            raise StoreValueError(
-                f"request of {len(frame) - 4} bytes exceeds the server's maximum frame size of "
-                f"{self._max_frame} bytes"
-            )
+        if len(frame) > self._pipe.max_frame + 4:
+            raise E.frame_too_large(len(frame) - 4, self._pipe.max_frame)
 
-    def _acknowledged(self, status: int, payload: bytes) -> None:
-        """The answer to the oldest pipelined write arrived; keep its error for the next call."""
-        _, frame, what, key = self._unacked.popleft()
-        self._unacked_bytes -= len(frame)
-        if status != _OK and self._write_error is None:
-            err = self._error(status, payload, what, key)
-            self._write_error = type(err)(
-                f"{what}({key!r}), sent earlier by this client, failed: {err} (reported by the "
-                "next call to the server, which was itself carried out)"
+    def _flush_before_close(self) -> None:
+        """Collect the answers of the pipelined writes (reconnecting for at most 5 s), logging
+        a failure: close() never raises (flush() first tells)."""
+        rid = self._rid = self._rid + 1
+        try:
+            self._request(P.encode_ping(rid), rid, _monotonic() + min(self.timeout, 5.0))
+        except StoreError as exc:
+            unacked = self._pipe.unacked
+            log.warning(
+                "closing the store client of %s: %s%s",
+                self.addr,
+                f"{len(unacked)} write(s) may be lost: " if unacked else "",
+                exc,
             )
 
     def _request(
         self, frame: bytes, rid: int, deadline: float | None = None, *, report: bool = True
     ) -> tuple[int, bytes]:
-        """Send ``frame`` and return (status, payload) of its response. Lock held.
-
-        A lost connection is re-established until ``deadline`` (default: the store timeout from
-        now), and the unacknowledged writes and this request are resent, in order; the server
-        applies none of them twice. Raises the error of an earlier pipelined write that the
-        answers read on the way report (unless ``report`` is false: it waits for the next call).
-        """
+        """:meth:`request` of ``frame`` (numbered ``rid``). ``report`` false: an earlier
+        write's error waits for the next call."""
         sock = self._sock
-        if sock is None or self._pending_error is not None or len(frame) > self._max_frame + 4:
+        pipe = self._pipe
+        if sock is None or self._pending_error is not None or len(frame) > pipe.max_frame + 4:
             result = self._request_slow(frame, rid, deadline, None)
         else:
             try:
                 self._last_send = _monotonic()
-                sock.sendall(self._with_held(frame) if self._held else frame)
-                result = self._read_response(sock, rid)
+                sock.sendall(pipe.with_held(frame) if pipe.held else frame)
+                result = pipe.read(sock, rid)
             except StoreError:
                 self._disconnect()
                 raise
             except OSError as exc:
-                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
+                log.debug("connection to %s lost: %s", self.addr, exc)
                 self._disconnect(exc)
                 result = self._request_slow(frame, rid, deadline, exc)
-        if report and self._write_error is not None:
-            err, self._write_error = self._write_error, None
+        if report and pipe.write_error is not None:
+            err, pipe.write_error = pipe.write_error, None
             raise err
         return result
-
-    def _exchange_many(self, frames: list[bytes], first_rid: int) -> list[tuple[int, bytes]]:
-        """Send the read-only requests ``frames`` (ids ``first_rid``, ``first_rid + 1``...) in
-        one write, then read their answers: one round trip. Lock held.
-
-        Reads are idempotent: if the connection is lost, the ones not yet answered are sent
-        again, one by one, over the new connection.
-        """
-        for frame in frames:
-            self._check_frame_size(frame)
-        answers: list[tuple[int, bytes]] = []
-        sock = self._sock
-        if sock is not None and self._pending_error is None:
-            try:
-                self._last_send = _monotonic()
-                sock.sendall(self._with_held(b"".join(frames)))
-                for i in range(len(frames)):
-                    answers.append(self._read_response(sock, first_rid + i))
-            except StoreError:
-                self._disconnect()
-                raise
-            except OSError as exc:
-                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
-                self._disconnect(exc)
-        deadline = _monotonic() + self._timeout
-        for i in range(len(answers), len(frames)):
-            answers.append(self._request_slow(frames[i], first_rid + i, deadline, None))
-        if self._write_error is not None:
-            err, self._write_error = self._write_error, None
-            raise err
-        return answers
 
     def _request_slow(
         self, frame: bytes, rid: int, deadline: float | None, reason: BaseException | None
@@ -269,110 +352,40 @@ class StoreConnection(ClientHandshake):
             raise exc
         self._check_frame_size(frame)
         attempts = 1 if reason is not None else 0
-        sent_in = self._session if reason is not None else None  # the session it may have reached
+        sent_in = self.session if reason is not None else None  # the session it may have reached
         while True:
             sock = self._sock
             if sock is None:
                 if self._closed:
-                    raise StoreError(f"this TCPStore ({self._host}:{self._port}) is closed")
+                    raise StoreError(f"this TCPStore ({self.addr}) is closed")
                 if deadline is None:
-                    deadline = _monotonic() + self._timeout
+                    deadline = _monotonic() + self.timeout
                 if attempts and _monotonic() >= deadline:
-                    raise StoreConnectionError(
-                        f"lost the connection to the store server at {self._host}:{self._port} "
-                        f"({_describe(reason, self._reply_timeout)})"
-                    ) from reason
+                    raise E.connection_lost(self.addr, reason, self._reply_timeout) from reason
                 self._connect(deadline, reason)
                 sock = self._sock
                 assert sock is not None
-                if sent_in not in (None, self._session) and not P.resendable_after_expiry(frame):
-                    raise SessionExpiredError(
-                        f"the session {sent_in} of this client at the store server "
-                        f"{self._host}:{self._port} expired while its {P.OP_NAMES[frame[4]]} "
-                        "request was unanswered: it may or may not have been applied, and is "
-                        f"not sent again in the new session {self._session}"
-                    )
+                if sent_in not in (None, self.session) and not P.resendable_after_expiry(frame):
+                    raise E.expired_in_flight(self.addr, sent_in, self.session, frame)
             attempts += 1
-            sent_in = self._session
+            sent_in = self.session
             try:
                 self._last_send = _monotonic()
-                sock.sendall(self._with_held(frame))
-                return self._read_response(sock, rid)
+                sock.sendall(self._pipe.with_held(frame))
+                return self._pipe.read(sock, rid)
             except StoreError:
                 self._disconnect()
                 raise
             except OSError as exc:
                 reason = exc
-                log.debug("connection to %s:%d lost: %s", self._host, self._port, exc)
+                log.debug("connection to %s lost: %s", self.addr, exc)
                 self._disconnect(exc)
 
-    def _read_response(self, sock: socket.socket, rid: int) -> tuple[int, bytes]:
-        buf = self._rbuf or sock.recv(65536)  # usually nothing is left over: read at once
-        while True:
-            size = len(buf)
-            if size >= 9:
-                length, status, r = _RESP_unpack_from(buf)
-                end = length + 4
-                if size >= end:
-                    if size == end:
-                        payload = buf[9:]
-                        buf = b""
-                    else:
-                        payload = buf[9:end]
-                        buf = buf[end:]
-                    unacked = self._unacked
-                    if unacked:
-                        # Answers come in request order: one to request r implies that every
-                        # write sent before it succeeded (quiet SETs are answered only on error).
-                        if unacked[-1][0] < r:
-                            unacked.clear()
-                            self._unacked_bytes = 0
-                        while unacked and unacked[0][0] < r:
-                            self._acknowledged(_OK, b"")
-                        if unacked and unacked[0][0] == r:
-                            self._acknowledged(status, payload)
-                            continue
-                    if r == rid:
-                        self._rbuf = buf
-                        return status, payload
-                    if r == 0 and status == P.STATUS_ERROR:
-                        code, msg = P.decode_error(payload)
-                        raise StoreProtocolError(
-                            f"the store server at {self._host}:{self._port} closed the "
-                            f"connection: {msg}"
-                        )
-                    continue  # the answer to a request given up on earlier
-                if length < P.HEAD_SIZE or length > self._max_frame + (1 << 20):
-                    raise StoreProtocolError(
-                        f"malformed response frame ({length} bytes) from the store server at "
-                        f"{self._host}:{self._port}"
-                    )
-                if end > 1 << 20:
-                    buf = self._recv_exactly(sock, buf, end)
-                    continue
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise _ConnectionLost("the server closed the connection")
-            buf = buf + chunk if buf else chunk
-
-    @staticmethod
-    def _recv_exactly(sock: socket.socket, head: bytes, size: int) -> bytes:
-        data = bytearray(size)
-        view = memoryview(data)
-        have = len(head)
-        view[:have] = head
-        while have < size:
-            n = sock.recv_into(view[have:])
-            if n == 0:
-                raise _ConnectionLost("the server closed the connection")
-            have += n
-        return bytes(data)
-
+    # -- connecting (lock held) -------------------------------------------------------------------
     def _disconnect(self, why: BaseException | None = None) -> None:
         sock = self._sock
         self._sock = None
-        self._rbuf = b""
-        self._held.clear()  # (every held write is in _unacked: the reconnect resends it)
+        self._pipe.disconnected()
         if sock is None:
             return
         if isinstance(why, (BlockingIOError, socket.timeout)) and self._stale is None:
@@ -385,25 +398,37 @@ class StoreConnection(ClientHandshake):
         except OSError:  # pragma: no cover
             pass
 
+    def _close_stale(self) -> None:
+        stale, self._stale = self._stale, None
+        if stale is not None:
+            try:
+                stale.close()
+            except OSError:  # pragma: no cover
+                pass
+
     def _connect(self, deadline: float, lost: BaseException | None) -> None:
         """Connect and handshake, retrying until ``deadline`` (a server may not be up yet)."""
         delay = 0.01
         last: BaseException | None = None
-        addr = f"{self._host}:{self._port}"
+        addr = self.addr
         patience = Patience(log, f"cannot reach the store server at {addr} yet", deadline,
                             clock=_monotonic)
         while True:
             remaining = deadline - _monotonic()
             try:
                 sock = socket.create_connection(
-                    (self._host, self._port), timeout=max(0.05, min(remaining, HANDSHAKE_TIMEOUT))
+                    (self.host, self.port), timeout=max(0.05, min(remaining, HANDSHAKE_TIMEOUT))
                 )
             except OSError as exc:
                 last = exc
-                patience.failed(_describe(exc))
+                patience.failed(E.describe(exc))
             else:
                 try:
-                    self._handshake(sock, deadline)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    welcome = handshake(
+                        sock, addr, self._secret, self._ttl, self.session, self._token, deadline
+                    )
+                    self._adopt(sock, welcome)
                     return
                 except SessionExpiredError:
                     raise  # connected, in a new session: only the old session is gone
@@ -413,56 +438,43 @@ class StoreConnection(ClientHandshake):
                 except OSError as exc:
                     sock.close()
                     last = exc
-                    patience.failed(_describe(exc))
+                    patience.failed(E.describe(exc))
             remaining = deadline - _monotonic()
             if remaining <= 0:
-                if lost is not None:
-                    raise StoreConnectionError(
-                        f"lost the connection to the store server at {addr} ({_describe(lost)}) "
-                        f"and could not reconnect: {_describe(last)}"
-                    ) from last
-                raise StoreConnectionError(
-                    f"could not connect to the store server at {addr}: {_describe(last)} "
-                    f"(tried for {self._timeout:g} s)"
-                ) from last
+                raise E.unreachable(addr, lost, last, self.timeout) from last
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, _MAX_BACKOFF)
 
-    def _error(self, status: int, payload: bytes, what: str, key: str | None) -> StoreError:
-        about = f"{what}({key!r})" if key is not None else what
-        if status != P.STATUS_ERROR:
-            return StoreProtocolError(f"unexpected response status {status} to {about}")
-        code, msg = P.decode_error(payload)
-        if code == P.E_VALUE:
-            return StoreValueError(msg)
-        if code == P.E_AUTH:
-            return StoreAuthenticationError(msg)
-        if code == P.E_SESSION:
-            return SessionExpiredError(msg)
-        if code in (P.E_BAD_REQUEST, P.E_UNKNOWN_OP, P.E_FRAME_TOO_LARGE, P.E_VERSION):
-            return StoreProtocolError(
-                f"the store server at {self._host}:{self._port} rejected {about}: {msg}", code
+    def _adopt(self, sock: socket.socket, welcome: P.Welcome) -> None:
+        """Carry on over ``sock``, whose handshake ended in ``welcome``: resend the unconfirmed
+        writes (after a session expired, only those safe to apply again) and take the session.
+        Raises SessionExpiredError (once connected) if the expiry lost ephemeral keys or writes."""
+        sock.settimeout(None)
+        _set_reply_timeout(sock, self._reply_timeout)
+        pipe, addr = self._pipe, self.addr
+        old = self.session
+        expired = bool(old) and not welcome.resumed
+        # What the expired session may or may not have applied is resent only where that is
+        # harmless (docs/protocol.md, "Session expiry"): its ephemeral writes died with it.
+        dropped = pipe.drop_unresendable() if expired else []
+        if pipe.unacked:  # resent first, in order: the server applies each at most once
+            sock.sendall(pipe.unconfirmed())
+        self._close_stale()  # the server moved the session to this connection
+        self._sock = sock
+        self.session = welcome.session
+        self._token = welcome.token
+        pipe.max_frame = welcome.max_frame_size
+        if expired:
+            log.warning(
+                "store session %d at %s ended while disconnected; continuing in session %d",
+                old,
+                addr,
+                welcome.session,
             )
-        return StoreError(f"the store server at {self._host}:{self._port} failed {about}: {msg}")
-
-    # -- keepalive --------------------------------------------------------------------------------
-    def _keepalive_due(self) -> float:
-        return self._last_send + self._ping_every
-
-    def _keepalive(self) -> None:
-        if self._closed or not self._lock.acquire(blocking=False):
-            return
-        try:
-            if self._closed or _monotonic() - self._last_send < self._ping_every:
-                return
-            rid = self._rid = self._rid + 1
-            try:
-                self._request(P.encode_ping(rid), rid, _monotonic() + self._ping_every, report=False)
-            except SessionExpiredError as exc:
-                self._pending_error = exc
-            except (StoreError, OSError) as exc:
-                self._last_send = _monotonic()  # retry at the next period, not at once
-                log.debug("keepalive to %s:%d failed: %s", self._host, self._port, exc)
-        finally:
-            self._lock.release()
-
+            if self._had_ephemeral or dropped:
+                had_ephemeral, self._had_ephemeral = self._had_ephemeral, False
+                raise E.expired_while_disconnected(
+                    addr, old, welcome.session, had_ephemeral, dropped
+                )
+        elif old:
+            log.info("resumed store session %d at %s", old, addr)
