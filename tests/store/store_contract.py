@@ -12,7 +12,11 @@ yields an object with:
 * ``bad_constructions() -> list[(call, exception type, message regex)]``: constructor calls
   with malformed arguments, each of which must fail at once (no connecting, no waiting);
 * optionally ``session_ttl: float``: the heartbeat time-to-live of the child's clients (small,
-  e.g. 2 s), which enables the test that a SIGSTOPped child's ephemeral keys expire.
+  e.g. 2 s), which enables the test that a SIGSTOPped child's ephemeral keys expire;
+* optionally ``blocked() -> int``: a count that rises once a call of any client (in this
+  process or a peer's) blocks in the store (the calls waiting now, as a server holds them, or
+  the looks a polling client took in vain); the tests of a call woken by another client then
+  write once the call waits, instead of at once.
 
 Tests of a capability the store does not declare are skipped, naming the capability.
 """
@@ -49,11 +53,33 @@ def owner(store: Store) -> Store:
     return store
 
 
-def later(seconds: float, action: Callable[[], Any]) -> threading.Thread:
-    """Run ``action`` in a thread after ``seconds``; join the returned thread."""
-    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
-    thread.start()
-    return thread
+class OnceBlocked(threading.Thread):
+    """Runs ``action`` in a thread of its own once a call blocks in the store (the factory's
+    ``blocked()`` rises above its count when this is made), or at once where the factory cannot
+    tell; :meth:`join` raises if no call was seen blocking (the action runs anyway)."""
+
+    def __init__(self, store_factory: Any, action: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.count: Callable[[], int] | None = getattr(store_factory, "blocked", None)
+        self.before = self.count() if self.count is not None else 0
+        self.action = action
+        self.error: AssertionError | None = None
+        self.start()
+
+    def run(self) -> None:
+        count = self.count
+        if count is not None:
+            try:
+                eventually(lambda: count() > self.before, CLIENT_TIMEOUT / 2,
+                           "a call blocked in the store")
+            except AssertionError as exc:
+                self.error = exc
+        self.action()
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 class StoreContract:
@@ -155,19 +181,23 @@ class StoreContract:
         store.set("k", "v")
         assert client.get("k") == b"v"
 
-    def test_get_woken_by_other_client(self, store: Store, client: Store) -> None:
-        writer = later(SHORT, lambda: client.set("late", "value"))
+    def test_get_woken_by_other_client(
+        self, store: Store, client: Store, store_factory: Any
+    ) -> None:
+        writer = OnceBlocked(store_factory, lambda: client.set("late", "value"))
         assert store.get("late") == b"value"
         writer.join(10)
 
-    def test_get_woken_by_other_process(self, store: Store, spawn: Callable[[], Any]) -> None:
+    def test_get_woken_by_other_process(
+        self, store: Store, spawn: Callable[[], Any], store_factory: Any
+    ) -> None:
         peer = spawn()
         peer.wait_ready()
+        setter = OnceBlocked(store_factory, lambda: store.set("from-parent", b"hello"))
         peer.request("get", "from-parent")
-        time.sleep(SHORT)
-        store.set("from-parent", b"hello")
+        setter.join(CLIENT_TIMEOUT)
         assert peer.reply() == b"hello"
-        writer = later(SHORT, lambda: peer.call("set", "from-peer", "hi"))
+        writer = OnceBlocked(store_factory, lambda: peer.call("set", "from-peer", "hi"))
         assert store.get("from-peer") == b"hi"
         writer.join(30)
 
@@ -330,11 +360,11 @@ class StoreContract:
         assert store.get("job/k") == b"v" and store.try_get("k") is None
 
     # -- wait / check -----------------------------------------------------------------------
-    def test_wait(self, store: Store, client: Store) -> None:
+    def test_wait(self, store: Store, client: Store, store_factory: Any) -> None:
         store.set("a", "1")
         store.wait(["a"])
         store.wait(["a"], timedelta(seconds=5))
-        writer = later(SHORT, lambda: client.set("b", "2"))
+        writer = OnceBlocked(store_factory, lambda: client.set("b", "2"))
         store.wait(["a", "b"], 30)
         writer.join(10)
 
@@ -379,9 +409,11 @@ class StoreContract:
         with pytest.raises(ValueError):
             store.multi_set(["a", "b"], ["only one"])
 
-    def test_multi_get_blocks_until_all_set(self, store: Store, client: Store) -> None:
+    def test_multi_get_blocks_until_all_set(
+        self, store: Store, client: Store, store_factory: Any
+    ) -> None:
         store.set("first", "1")
-        writer = later(SHORT, lambda: client.set("second", "2"))
+        writer = OnceBlocked(store_factory, lambda: client.set("second", "2"))
         assert store.multi_get(["first", "second"]) == [b"1", b"2"]
         writer.join(10)
         store.set_timeout(SHORT)
@@ -428,8 +460,10 @@ class StoreContract:
             store.queue_pop("empty")
         assert time.monotonic() - started < 10 * CLIENT_TIMEOUT
 
-    def test_queue_pop_woken_by_push_of_other_client(self, store: Store, client: Store) -> None:
-        pusher = later(SHORT, lambda: client.queue_push("work", "job"))
+    def test_queue_pop_woken_by_push_of_other_client(
+        self, store: Store, client: Store, store_factory: Any
+    ) -> None:
+        pusher = OnceBlocked(store_factory, lambda: client.queue_push("work", "job"))
         assert store.queue_pop("work") == b"job"
         pusher.join(10)
         assert store.queue_len("work") == 0
@@ -534,9 +568,11 @@ class StoreContract:
         store.set_timeout(SHORT)
         assert store.watch("quiet", since) <= since
 
-    def test_watch_woken_by_other_client(self, store: Store, client: Store) -> None:
+    def test_watch_woken_by_other_client(
+        self, store: Store, client: Store, store_factory: Any
+    ) -> None:
         since = store.revision("job/round")
-        writer = later(SHORT, lambda: client.set("job/round", "1"))
+        writer = OnceBlocked(store_factory, lambda: client.set("job/round", "1"))
         assert store.watch("job/round", since, 30) > since
         writer.join(10)
 
@@ -552,11 +588,13 @@ class StoreContract:
         assert client.get("batch/d") == b"4"
         assert client.multi_get(["batch/a", "batch/b", "batch/c"]) == [b"1", b"2", b"3"]
 
-    def test_watch_get_answers_with_the_key(self, store: Store, client: Store) -> None:
+    def test_watch_get_answers_with_the_key(
+        self, store: Store, client: Store, store_factory: Any
+    ) -> None:
         since = store.revision("wg/ctl/")
         assert store.watch_get("wg/ctl/", since, "wg/rank/0", SHORT) == (since, None)
-        writer = later(
-            SHORT, lambda: client.multi_set(["wg/rank/0", "wg/ctl/status"], [b"r0", b"sealed"])
+        writer = OnceBlocked(
+            store_factory, lambda: client.multi_set(["wg/rank/0", "wg/ctl/status"], [b"r0", b"sealed"])
         )
         rev, value = store.watch_get("wg/ctl/", since, "wg/rank/0", 30)
         writer.join(10)
@@ -564,18 +602,22 @@ class StoreContract:
         store.set("wg/rank/1", b"")
         assert store.watch_get("wg/ctl/", 0, "wg/rank/1", 30) == (rev, b"")
 
-    def test_watch_woken_by_other_process(self, store: Store, spawn: Callable[[], Any]) -> None:
+    def test_watch_woken_by_other_process(
+        self, store: Store, spawn: Callable[[], Any], store_factory: Any
+    ) -> None:
         peer = spawn()
         peer.wait_ready()
         since = store.revision("nodes/")
-        writer = later(SHORT, lambda: peer.call("set", "nodes/n1", "up"))
+        writer = OnceBlocked(store_factory, lambda: peer.call("set", "nodes/n1", "up"))
         assert store.watch("nodes/", since, 30) > since
         writer.join(30)
 
-    def test_watch_dir_sees_keys_under_it_and_deletes(self, store: Store, client: Store) -> None:
+    def test_watch_dir_sees_keys_under_it_and_deletes(
+        self, store: Store, client: Store, store_factory: Any
+    ) -> None:
         store.set("d/sub/x", "1")
         since = store.revision("d/")
-        writer = later(SHORT, lambda: client.delete_key("d/sub/x"))
+        writer = OnceBlocked(store_factory, lambda: client.delete_key("d/sub/x"))
         changed = store.watch("d/", since, 30)
         writer.join(10)
         assert changed > since
@@ -603,9 +645,11 @@ class StoreContract:
         self.require(store, "ephemeral")
         writer = store_factory.new_client()
         writer.set("claimed", "mine", ephemeral=True)
+        writer.set("writer-alive", "1", ephemeral=True)
         store.set("claimed", "yours")
         owner(writer).close()
-        time.sleep(SHORT)
+        eventually(lambda: store.try_get("writer-alive") is None, EXPIRY_BOUND,
+                   "the closed writer's ephemeral keys deleted")
         assert store.try_get("claimed") == b"yours"
 
     def test_ephemeral_keys_of_killed_process_vanish(self, store: Store, child: ProcessPeer) -> None:

@@ -7,7 +7,9 @@ One etcd runs per version for the whole session; each test gets a fresh key pref
 from __future__ import annotations
 
 import os
+import re
 import sys
+import urllib.request
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -35,6 +37,7 @@ class EtcdStoreFactory:
     session_ttl = CHILD_SESSION_TTL
 
     def __init__(self, server: LocalEtcd) -> None:
+        self.metrics_url = f"{server.url}/metrics"
         self.kwargs: dict[str, Any] = {
             "endpoints": server.endpoint,
             "prefix": f"contract-{uuid.uuid4().hex[:12]}/",
@@ -49,6 +52,16 @@ class EtcdStoreFactory:
 
     def child_spec(self) -> dict[str, Any]:
         return {"factory": "rdzv.store:EtcdStore", "kwargs": self.kwargs}
+
+    def blocked(self) -> int:
+        """The watch streams etcd has opened so far: a blocking call opens one once it has
+        read what it waits for in vain (a counter: the end of an earlier watch does not
+        lower it, as it lowers etcd's count of watchers with a lag)."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=30).read().decode()
+        found = re.search(r'^grpc_server_started_total\{[^}]*grpc_method="Watch"[^}]*\} (\S+)$',
+                          text, re.MULTILINE)
+        assert found, "etcd's /metrics has no grpc_server_started_total of Watch"
+        return int(float(found.group(1)))
 
     def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
         endpoint = self.kwargs["endpoints"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import threading
 import zlib
@@ -18,23 +19,52 @@ from rdzv.store import FileStore, Store
 SESSION_TTL = 2.0
 
 
+class CountingFileStore(FileStore):
+    """A FileStore that adds a byte to the file ``looks`` each time a waiting call looks at the
+    store in vain: the test's sign that a call (of any process) is blocked in the store."""
+
+    def __init__(self, file_name: str | Path, *, looks: str, **options: Any) -> None:
+        self.looks = looks
+        super().__init__(file_name, **options)
+
+    def _poll(self, ready: Callable[[Any], Any], timeout: float) -> Any:
+        def look(state: Any) -> Any:
+            found = ready(state)
+            if found is None:
+                with open(self.looks, "ab") as looks:
+                    looks.write(b".")
+            return found
+
+        return super()._poll(look, timeout)
+
+
 class FileStoreFactory:
-    """Clients of one fresh store file in a test's temporary directory."""
+    """Clients of one fresh store file in a test's temporary directory (FileStores that count
+    the looks of their waiting calls, see :meth:`blocked`)."""
 
     session_ttl = SESSION_TTL
 
     def __init__(self, path: Path, **options: Any) -> None:
         self.path = path
+        self.looks = str(path) + ".looks"
         self.options = {"session_ttl": SESSION_TTL, **options}
         self.clients: list[FileStore] = []
 
     def new_client(self) -> Store:
-        client = FileStore(self.path, timeout=30, **self.options)
+        client = CountingFileStore(self.path, looks=self.looks, timeout=30, **self.options)
         self.clients.append(client)
         return client
 
     def child_spec(self) -> dict[str, Any]:
-        return {"factory": "rdzv.store:FileStore", "kwargs": {"file_name": str(self.path), **self.options}}
+        return {"factory": "test_file_contract:CountingFileStore",
+                "kwargs": {"file_name": str(self.path), "looks": self.looks, **self.options}}
+
+    def blocked(self) -> int:
+        """The looks in vain of waiting calls so far, in every process."""
+        try:
+            return os.path.getsize(self.looks)
+        except FileNotFoundError:
+            return 0
 
     def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
         path = self.path

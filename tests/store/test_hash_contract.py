@@ -24,6 +24,15 @@ class HashStoreFactory:
     def child_spec(self) -> None:
         return None
 
+    def blocked(self) -> int:
+        """The threads waiting in the store: its condition holds one lock for each (CPython's
+        ``Condition._waiters``)."""
+        if not self.clients:
+            return 0
+        cond = self.clients[0]._shared.cond
+        with cond:
+            return len(cond._waiters)  # type: ignore[attr-defined]
+
     def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
         return [(lambda: HashStore(timeout=-1), ValueError, "timeout must be >= 0"),
                 (lambda: HashStore(timeout="soon"), ValueError, "could not convert")]  # type: ignore[arg-type]

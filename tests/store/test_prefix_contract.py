@@ -32,6 +32,9 @@ class PrefixedFactory:
         spec = self.base.child_spec()
         return None if spec is None else {**spec, "prefix": PREFIX}
 
+    def blocked(self) -> int:
+        return self.base.blocked()
+
     def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
         """torch's PrefixStore(p, None) raises ValueError("store argument cannot be None")."""
         return [

@@ -43,6 +43,12 @@ class TCPStoreFactory:
             kwargs["secret"] = self.secret
         return {"factory": "rdzv.store:TCPStore", "kwargs": kwargs}
 
+    def blocked(self) -> int:
+        """The requests waiting in the server (blocking gets, waits, watches), per path."""
+        core = self.server._core
+        assert core is not None
+        return sum(len(list(waiting)) for waiting in list(core.waiters.values()))
+
     def bad_constructions(self) -> list[tuple[Callable[[], Any], type, str]]:
         port = self.server.port  # (reachable: a check that came late would connect and pass)
         return [

@@ -156,6 +156,9 @@ class AdapterFactory:
         wrapped = {"factory": "test_torch_adapter_contract:adapter_client", "kwargs": spec}
         return {**wrapped, "prefix": PREFIX} if self.through_c10d else wrapped
 
+    def blocked(self) -> int:
+        return self.base.blocked()
+
 
 class TestTorchStoreOverHashStore(StoreContract):
     @pytest.fixture
