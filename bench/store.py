@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python bench/store.py [--ops 20000] [--rounds 3] [--waiters 1000] [--procs 4]
 [--wake-rounds 5] [--no-torch]``
 
-Both servers run in a process of their own (rdzv: ``python -m rdzv.server``; torch: a process
+Both servers run in a process of their own (rdzv: ``python -m rdzv serve``; torch: a process
 holding a master ``torch.distributed.TCPStore``, its C++ server), all on 127.0.0.1.
 
 * throughput: one client in this process alternates ``set(key, 32 bytes)`` and ``get(key)``
@@ -70,7 +70,7 @@ def child_env() -> dict[str, str]:
 # -- servers ------------------------------------------------------------------------------------
 def start_rdzv_server() -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rdzv.server", "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "rdzv", "serve", "--host", "127.0.0.1", "--port", "0"],
         stderr=subprocess.PIPE,
         env=child_env(),
         text=True,
