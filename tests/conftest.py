@@ -26,6 +26,22 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+LONG_FIRST = ("torch", "trainchaos", "clusters", "chaos")
+"""Folders whose files run longest (real training jobs, soaks, a Slurm cluster), collected
+first: with ``--dist loadfile`` the two workers start on them and the many short files fill the
+end, instead of one long file running alone at the end while the other worker idles."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def folder_rank(item: pytest.Item) -> int:
+        folder = Path(str(item.fspath)).relative_to(tests).parts[0]
+        return LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=folder_rank)  # (stable: each file's tests stay together, in order)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not _in_ci():
         return

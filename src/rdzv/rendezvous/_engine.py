@@ -37,7 +37,7 @@ from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent
 from ._history_facts import encode_left_mark
 from ._layout import (CLOSED_STATUS, NodeDescriptor, RunKeys, decode_int, decode_status,
                       encode_node)
-from ._node import KeyLedger, PortReservation, new_node_id
+from ._node import KeyLedger, PortReservation, SideClient, new_node_id
 from ._sealer import Sealer
 from ._views import (
     Membership,
@@ -104,9 +104,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._join_timeout = float(join_timeout)
         self._close_timeout = float(close_timeout)
         self._on_shutdown = on_shutdown
-        self._open_query_store = query_store
-        self._query_store: Store | None = None
-        self._query_lock = threading.Lock()
+        self._side = SideClient(store, query_store)
         self._node_id = new_node_id(self._host)
         self._member: Membership | None = None
         self._last_view: tuple[MembershipView, int] | None = None
@@ -121,7 +119,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._spare = False
         """This node waits as a spare (the running round is full), as last observed."""
         self._history_size = history_size
-        self.history = EventWriter(self._side_store, run_id, tag=self._node_id,
+        self.history = EventWriter(lambda: self._side.get(), run_id, tag=self._node_id,
                                    limit=history_size)
         """The run's history, written in the background (the agent records its events too)."""
         self.closed_here = False
@@ -236,7 +234,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with ``since``, first waits (at most ``timeout`` s, one store timeout) until something
         changed after it. Through the second client, so that a watcher never holds up the
         round's own calls (or ``next_rendezvous``)."""
-        return self._view(self._query(always=True), since, timeout, "membership()")
+        return self._view(self._side.get(), since, timeout, "membership()")
 
     def _view(self, store: Store, since: int, seconds: float,
               caller: str) -> tuple[MembershipView, int]:
@@ -266,7 +264,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def open_client(self) -> Store | None:
         """A new client of the run's store for a caller that blocks on it (it closes it), or
         None when this node's client serves concurrent calls (etcd, file)."""
-        return self._open_query_store() if self._open_query_store is not None else None
+        return self._side.opener() if self._side.opener is not None else None
 
     def announce_leaving(self) -> bool:
         """Withdraw this member's liveness in the next round (its ``expect`` key): the others
@@ -288,7 +286,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Bounded by ``close_timeout``: with the store gone, leaving gives up rather than waiting
         out the store's own timeout (the session's ephemeral keys expire on the server anyway).
         """
-        for store in (self._store, self._query_store):  # (the history writes through the second)
+        for store in (self._store, self._side.opened):  # (the history writes through the second)
             if store is not None:
                 store.set_timeout(min(self._close_timeout, store.timeout.total_seconds()))
         self.history.close(min(2.0, self._close_timeout))
@@ -303,8 +301,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if self._port is not None:
                 self._port.release()
                 self._port = None
-            if self._query_store is not None:
-                self._query_store.close()
+            self._side.close()
             if self._on_shutdown is not None:
                 self._on_shutdown()
 
@@ -473,19 +470,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         raw = (store or self._store).try_get(self._keys.sealed)
         return decode_int(self._keys.sealed, raw, -1)
 
-    def _side_store(self) -> Store:
-        """The store for the history's background writes: the second client, if the backend
-        has one (a TCPStore client serves one call at a time), else this node's store."""
-        return self._query(always=True)
-
-    def _query(self, *, always: bool = False) -> Store:
+    def _query(self) -> Store:
         """The store for queries: the second client while a round is being joined, if any."""
-        if self._open_query_store is None or not (always or self._lock.locked()):
-            return self._store
-        with self._query_lock:
-            if self._query_store is None:
-                self._query_store = self._open_query_store()
-            return self._query_store
+        return self._side.get(joining=self._lock.locked())
 
     def _reserve_port(self) -> int:
         """A port for this round's bootstrap store (held; the previous round's is released)."""

@@ -1,4 +1,5 @@
-"""What one node holds in a run: a port for its workers' bootstrap store, and the keys it wrote.
+"""What one node holds in a run: a port for its workers' bootstrap store, the keys it wrote, and
+a second client of the run's store.
 
 The keys are kept by how long the node needs them (:class:`KeyLedger`): those of the round it
 joins, those of its previous round still needed until the new one is sealed, and garbage,
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import uuid
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..store import Store
 
@@ -100,3 +102,30 @@ class KeyLedger:
     def _delete(self, keys: list[str]) -> None:
         for key in keys:
             self._store.delete_key(key)
+
+
+class SideClient:
+    """A second client of the run's store, opened on first use, for the calls that must not
+    wait behind this node's blocking round watch on a store whose client serves one call at a
+    time (TCPStore): queries while the node joins a round, and the history's background writes.
+    Without an ``opener`` (etcd, file: their clients serve concurrent calls) it is the node's
+    own client."""
+
+    def __init__(self, store: Store, opener: Callable[[], Store] | None) -> None:
+        self._store = store
+        self.opener = opener
+        self.opened: Store | None = None
+        self._lock = threading.Lock()
+
+    def get(self, joining: bool = True) -> Store:
+        """The client for a call made while the node joins (``joining``), else its own."""
+        if self.opener is None or not joining:
+            return self._store
+        with self._lock:
+            if self.opened is None:
+                self.opened = self.opener()
+            return self.opened
+
+    def close(self) -> None:
+        if self.opened is not None:
+            self.opened.close()

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from ..errors import SessionExpiredError, StoreConnectionError, StoreError, StoreTimeoutError
+from ..errors import SessionExpiredError, StoreError, StoreTimeoutError
 from ..kv import DEFAULT_SESSION_TTL, KVState, SessionOpen
 from ._base import (
     DEFAULT_TIMEOUT,
@@ -47,6 +47,7 @@ from ._fileformat import (
     encode_record,
     snapshot_effects,
 )
+from ._filelock import POLL_FIRST, is_current, lock_store_file, open_store_file, sleep_backoff
 from ._filesession import (
     LivenessProbe,
     SessionFile,
@@ -60,20 +61,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-POLL_FIRST = 0.001
-POLL_MAX = 0.05
 DEFAULT_COMPACT_BYTES = 1 << 20
 LOCK_MIN_WAIT = 10.0
 """Seconds a call waits at least for the file lock, however short its own timeout."""
 
 _in_call = threading.local()
 """``depth``: how many FileStore calls the current thread is inside (holding a file lock)."""
-
-def _sleep_backoff(delay: float, deadline: float) -> float:
-    """Sleep ``delay`` (not past ``deadline``); the next, doubled delay."""
-    time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-    return min(delay * 2, POLL_MAX)
-
 
 class FileStore(Store):
     """torch's ``FileStore(file_name, world_size=-1)``: one file shared by all clients.
@@ -149,39 +142,7 @@ class FileStore(Store):
             logger.warning("FileStore %s: closing the unreferenced store failed: %s",
                            getattr(self, "file_name", "?"), exc)
 
-    # -- the file: open, lock, catch up, append ----------------------------------------------
-    def _open(self) -> int:
-        try:
-            return os.open(self.file_name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError as exc:
-            raise StoreConnectionError(
-                f"cannot open FileStore file {self.file_name}: {exc.strerror}; check that its "
-                "directory exists and is writable on this host"
-            ) from exc
-
-    def _flock(self, fd: int, mode: int, deadline: float) -> None:
-        delay = POLL_FIRST / 2
-        while True:
-            try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StoreTimeoutError(
-                        f"could not lock FileStore file {self.file_name} in time: another "
-                        "process holds it (hung or stopped?)"
-                    ) from None
-                delay = _sleep_backoff(delay, deadline)
-
-    def _is_current(self, fd: int) -> bool:
-        """Whether ``fd`` is still the file at our path (not compacted away or deleted)."""
-        try:
-            path_stat = os.stat(self.file_name)
-        except FileNotFoundError:
-            return False
-        fd_stat = os.fstat(fd)
-        return (path_stat.st_dev, path_stat.st_ino) == (fd_stat.st_dev, fd_stat.st_ino)
-
+    # -- the file: lock, catch up, append --------------------------------------------------
     @contextmanager
     def _locked(self, exclusive: bool) -> Iterator[KVState]:
         """Hold the file lock with the state caught up to the file's end."""
@@ -196,12 +157,12 @@ class FileStore(Store):
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             while True:
                 if self._fd is None:
-                    self._fd, self._offset = self._open(), 0
+                    self._fd, self._offset = open_store_file(self.file_name), 0
                 fd = self._fd
-                self._flock(fd, mode, deadline)
+                lock_store_file(fd, mode, deadline, self.file_name)
                 try:
                     self._catch_up(fd, exclusive)
-                    if self._is_current(fd):
+                    if is_current(fd, self.file_name):
                         yield self._state
                         return
                 finally:
@@ -488,7 +449,7 @@ class FileStore(Store):
                 return result
             if offset != seen:
                 delay, seen = POLL_FIRST, offset
-            delay = _sleep_backoff(delay, deadline)
+            delay = sleep_backoff(delay, deadline)
 
     def watch(self, path: str, since: int, timeout: Timeout = None) -> int:
         seconds = to_seconds(timeout, self._timeout)
