@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import pytest
 from store_contract import StoreContract, eventually
 
-from rdzv.errors import RendezvousStateError, StoreConnectionError
+from rdzv.errors import RendezvousStateError, StoreConnectionError, StoreUnsupportedError
 from rdzv.store import FileStore, Store
 
 SESSION_TTL = 2.0
@@ -306,3 +306,16 @@ def test_a_file_of_a_newer_format_is_refused_with_the_versions_named(tmp_path: P
     with pytest.raises(RendezvousStateError, match="format version 3; this rdzv reads versions "
                        "1 to 2: use the same rdzv version on every host"):
         FileStore(path).get("job/key0")
+
+
+def test_a_read_only_client_leaves_a_file_of_format_1_as_it_is(tmp_path: Path) -> None:
+    """``rdzv status`` on a job still run by an rdzv of format 1 reads it without rewriting
+    the file (which would stop that job's clients): a read-only client opens no session."""
+    path = tmp_path / "job.store"
+    shutil.copy(FORMAT_1, path)
+    before = path.read_bytes()
+    with FileStore(path, read_only=True) as observer:
+        assert observer.get("job/counter") == b"42" and observer.num_keys() == 14
+        with pytest.raises(StoreUnsupportedError, match="opened read_only: it writes nothing"):
+            observer.set("job/new", "x")
+    assert path.read_bytes() == before

@@ -134,6 +134,15 @@ def decide(
     return Step(Action.WAIT, wake_at=min(deadline, last_call_end), armed_since=start)
 
 
+def join_timeout_message(view: RoundView, rules: RoundRules, r: int, run_id: str,
+                         join_timeout: float) -> str:
+    """What a node that gave up waiting for round r to form is told (:attr:`Action.TIMEOUT`)."""
+    back = "" if view.expected == 0 else (
+        f", {view.rejoined} of {view.expected} previous members back")
+    return (f"round {r} of run {run_id!r} did not form within join_timeout={join_timeout:g} s: "
+            f"{view.alive} node(s) alive, min_nodes={rules.min_nodes}{back}")
+
+
 def plan_ranks(joiners: Mapping[str, NodeDescriptor], rules: RoundRules) -> dict[str, int] | None:
     """Node id -> rank for the members of the round, or None if fewer than min_nodes."""
     if len(joiners) < rules.min_nodes:

@@ -32,10 +32,11 @@ from ._decisions import (
     decide,
     is_spare,
     join_deadline,
+    join_timeout_message,
 )
 from ._history import DEFAULT_HISTORY_SIZE, EventWriter, RunEvent
 from ._history_facts import encode_left_mark
-from ._layout import (CLOSED_STATUS, NodeDescriptor, RunKeys, decode_int, decode_status,
+from ._layout import (CLOSED_STATUS, NodeDescriptor, RunKeys, decode_status,
                       encode_node)
 from ._node import KeyLedger, PortReservation, SideClient, new_node_id
 from ._sealer import Sealer
@@ -43,9 +44,11 @@ from ._views import (
     Membership,
     MembershipView,
     RoundChanges,
+    latest_sealed,
     membership_view,
     observe_round,
     read_outcome,
+    store_wait,
 )
 
 logger = logging.getLogger(__name__)
@@ -145,7 +148,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         keys, store = self._keys, self._query()
         me = self._node_id.encode()
         self.closed_here = store.compare_set(keys.closed, b"", me) == me
-        forming = self._latest_sealed(store) + 1
+        forming = latest_sealed(store, self._keys) + 1
         for _ in range(100):  # a racing seal moves the forming round on; bounded anyway
             current = store.compare_set(keys.status(forming), b"", CLOSED_STATUS)
             if current == CLOSED_STATUS:
@@ -157,7 +160,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store, member = self._query(), self._member
         if member is None:
             self.history.release()  # a monitoring call: this node's deferred events can go
-            return store.count_keys(self._keys.nodes(self._latest_sealed(store) + 1))
+            return store.count_keys(self._keys.nodes(latest_sealed(store, self._keys) + 1))
         return self._view(store, 0, 0.0, "num_nodes_waiting()")[0].nodes_waiting
 
     def round_changes(self) -> RoundChanges:
@@ -246,7 +249,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         path = self._keys.round(member.round + 1)
         last = self._last_view
         if since:
-            revision = store.watch(path, since, self._wait_seconds(seconds))
+            revision = store.watch(path, since, store_wait(self._store, seconds))
             if revision <= since and last is not None and last[1] == since and \
                     last[0].round == member.round:
                 return last  # nothing changed: no read (a watcher polls this for hours)
@@ -310,7 +313,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = self._clock.monotonic() + self._join_timeout
         previous = self._member
         # A member goes straight to the round after its own; a newer one makes it late there.
-        round_ = previous.round + 1 if previous else self._latest_sealed() + 1
+        round_ = previous.round + 1 if previous else latest_sealed(self._store, self._keys) + 1
         if previous is None:  # written once the round is formed, or the node waits a while
             self.record_event("node_waiting", round=round_, host=self._host, pid=os.getpid(),
                               defer=True)
@@ -323,11 +326,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     raise
                 lapsed = True
                 self._forget_session(exc)
-                round_, previous = self._latest_sealed() + 1, None
+                round_, previous = latest_sealed(self._store, self._keys) + 1, None
                 continue
             if info is not None:
                 return info
-            round_, previous = max(round_, self._latest_sealed()) + 1, None
+            round_, previous = max(round_, latest_sealed(self._store, self._keys)) + 1, None
 
     def _join_round(
         self, r: int, previous: Membership | None, deadline: float
@@ -380,12 +383,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"the rendezvous of run {keys.run_id!r} is closed")
             if step.action is Action.TIMEOUT:
                 self._keys_held.leave()
-                raise RendezvousTimeoutError(
-                    f"round {r} of run {keys.run_id!r} did not form within join_timeout="
-                    f"{self._join_timeout:g} s: {view.alive} node(s) alive, min_nodes="
-                    f"{self._rules.min_nodes}" + ("" if view.expected == 0 else
-                    f", {view.rejoined} of {view.expected} previous members back")
-                )
+                raise RendezvousTimeoutError(join_timeout_message(
+                    view, self._rules, r, keys.run_id, self._join_timeout))
             if step.action is Action.ARM:
                 store.compare_set(keys.armed(r), b"", b"1")
             elif step.action is Action.SEAL:
@@ -394,7 +393,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if attempt.mine is not None:  # this node sealed the round: it knows its rank
                     return self._collect(r, *attempt.mine, previous)[1]
                 if not attempt.held:
-                    self._sealer.wait(r, deadline, self._watch)
+                    self._sealer.wait(r, deadline - self._clock.monotonic(), self._watch)
                 woken = True
             elif step.action is Action.COLLECT:
                 reads = store.read_many([rank_key, status_key])
@@ -466,10 +465,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _latest_sealed(self, store: Store | None = None) -> int:
-        raw = (store or self._store).try_get(self._keys.sealed)
-        return decode_int(self._keys.sealed, raw, -1)
-
     def _query(self) -> Store:
         """The store for queries: the second client while a round is being joined, if any."""
         return self._side.get(joining=self._lock.locked())
@@ -495,15 +490,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _watch(self, path: str, since: int, seconds: float) -> int:
         """Wait for ``path`` to change after ``since``, at most ``seconds`` and one store
         timeout; the revision to wait after next time."""
-        return max(since, self._store.watch(path, since, self._wait_seconds(seconds)))
+        return max(since, self._store.watch(path, since, store_wait(self._store, seconds)))
 
     def _watch_get(
         self, path: str, since: int, seconds: float, key: str
     ) -> tuple[int, bytes | None]:
         """:meth:`_watch`, and the value of ``key`` once woken (None if missing)."""
-        rev, value = self._store.watch_get(path, since, key, self._wait_seconds(seconds))
+        rev, value = self._store.watch_get(path, since, key, store_wait(self._store, seconds))
         return max(since, rev), value
-
-    def _wait_seconds(self, seconds: float) -> float:
-        """``seconds``, at least 0 and at most one store timeout."""
-        return max(0.0, min(seconds, self._store.timeout.total_seconds()))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -96,8 +95,9 @@ class Sealer:
                 store.compare_set(lock, me, b"", ephemeral=True)
         return attempt
 
-    def wait(self, r: int, deadline: float, watch: Callable[[str, int, float], int]) -> None:
-        """Wait until the node holding round r's sealer lock releases it (done, or dead).
+    def wait(self, r: int, seconds: float, watch: Callable[[str, int, float], int]) -> None:
+        """Wait (at most ``seconds``) until the node holding round r's sealer lock releases it
+        (done, or dead).
 
         The lock lives outside ``ctl/``: taking it wakes no one; only the nodes that also
         tried to seal wait on it. The revision is read before the lock is seen held, so a
@@ -105,7 +105,7 @@ class Sealer:
         store, lock = self._store, self._keys.sealer(r)
         since = store.revision(lock)
         if store.try_get(lock):  # held: a node id (missing or empty: free)
-            watch(lock, since, deadline - time.monotonic())
+            watch(lock, since, seconds)
 
     def _seal(self, r: int, listed: dict[str, bytes], reads: Reads) -> tuple[bool | None, SealAttempt]:
         """Write round r's decision and each joiner's rank, given the ``listed`` descriptors

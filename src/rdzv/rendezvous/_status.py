@@ -271,7 +271,7 @@ def open_store(params: RendezvousParameters) -> Store:
         from ._file import store_path
 
         return FileStore(store_path(params.endpoint, params.run_id),
-                         timeout=params.get_option("read_timeout"))
+                         timeout=params.get_option("read_timeout"), read_only=True)
     if canonical_backend(params.backend) == "tcp":
         from ..kv.auth import shared_secret
         from ..store import TCPStore

@@ -38,6 +38,16 @@ class RoundChanges:
     """Members of this round no longer alive (died, hung past their session ttl, or left)."""
 
 
+def store_wait(store: Store, seconds: float) -> float:
+    """``seconds``, at least 0 and at most one timeout of ``store`` (a blocking call's bound)."""
+    return max(0.0, min(seconds, store.timeout.total_seconds()))
+
+
+def latest_sealed(store: Store, keys: RunKeys) -> int:
+    """The number of the run's last sealed round (-1: none yet)."""
+    return decode_int(keys.sealed, store.try_get(keys.sealed), -1)
+
+
 def observe_round(store: Store, keys: RunKeys, rules: RoundRules, r: int) -> tuple[RoundView, int]:
     """The round as seen now and the revision of its ``ctl/`` to watch from, in one
     :meth:`Store.read_many` (one round trip on TCPStore, one transaction on etcd). Reads what

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from ..errors import SessionExpiredError, StoreError, StoreTimeoutError
+from ..errors import SessionExpiredError, StoreError, StoreTimeoutError, StoreUnsupportedError
 from ..kv import DEFAULT_SESSION_TTL, KVState, SessionOpen
 from ._base import (
     DEFAULT_TIMEOUT,
@@ -75,6 +75,8 @@ class FileStore(Store):
     clients have opened it. ``session_ttl``: seconds without a heartbeat after which this
     client's ephemeral keys may be removed by others. ``compact_bytes``: the log is compacted
     when the records after the last snapshot exceed both this and the snapshot's size.
+    ``read_only``: an observer (``rdzv status``, the web view) that opens no session and writes
+    nothing, so a file of an older format stays as it is for the rdzv that runs the job.
     """
 
     capabilities = StoreCapabilities(
@@ -89,6 +91,7 @@ class FileStore(Store):
         timeout: Timeout = DEFAULT_TIMEOUT,
         session_ttl: float = DEFAULT_SESSION_TTL,
         compact_bytes: int = DEFAULT_COMPACT_BYTES,
+        read_only: bool = False,
     ) -> None:
         super().__init__(timeout)
         path = os.fspath(file_name)  # (TypeError for what is not a path)
@@ -112,6 +115,10 @@ class FileStore(Store):
         self._last_session = 0
         self._closed = True  # (until the session is open: nothing for close() or __del__ yet)
         self._probe = LivenessProbe(self.file_name)
+        self._read_only = read_only
+        if read_only:  # an observer: no session, no write (an older format's file stays as is)
+            self._session, self._closed = 0, False
+            return
         try:
             self._session, self._session_file = self._open_session()
         except BaseException:
@@ -224,6 +231,9 @@ class FileStore(Store):
 
     def _mutate(self, decide: Callable[[KVState], T]) -> T:
         """Run ``decide`` on the caught-up state under the exclusive lock; log its effects."""
+        if self._read_only:
+            raise StoreUnsupportedError(f"FileStore {self.file_name} was opened read_only: it "
+                                        "writes nothing; open it without read_only to write")
         with self._locked(exclusive=True) as state:
             if self._header.version == VERSION:
                 return self._decide_and_log(state, decide)
@@ -281,14 +291,16 @@ class FileStore(Store):
         snapshot = encode_record(snapshot_effects(self._state, self._last_session))
         header = Header(random.getrandbits(63) + 1, self._header.file_id, HEADER_SIZE + len(snapshot))
         temp = f"{self.file_name}.compact-{os.getpid()}-{threading.get_ident()}"
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        fd = -1
         try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
             self._write(fd, encode_header(header) + snapshot, 0)
             os.fsync(fd)
             os.replace(temp, self.file_name)
         except OSError as exc:
-            os.close(fd)
-            os.unlink(temp)
+            if fd >= 0:
+                os.close(fd)
+                os.unlink(temp)
             logger.warning("FileStore %s: compaction failed, keeping the log: %s", self.file_name, exc)
             return False
         logger.debug("FileStore %s: compacted to %d bytes", self.file_name, header.data_start)
@@ -348,6 +360,9 @@ class FileStore(Store):
             if self._closed:
                 return
             self._closed = True
+        if self._read_only:
+            self._release()
+            return
         self._stop.set()
         if threading.current_thread() is not self._heartbeat:  # (else collected by its beat)
             self._heartbeat.join(timeout=self._session_ttl)
@@ -357,15 +372,18 @@ class FileStore(Store):
             deleted = self._mutate(self._close_session)
         finally:
             self._session_file.remove()
-            with self._lock:
-                if self._fd is not None:
-                    os.close(self._fd)
-                    self._fd = None
+            self._release()
         if deleted:
             try:
                 os.rmdir(sessions_dir(self.file_name))
             except OSError:
                 pass  # a new client already started a new store here
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def _close_session(self, state: KVState) -> bool:
         """End this client's session; whether it was the last of ``world_size`` (file deleted)."""

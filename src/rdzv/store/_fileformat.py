@@ -8,8 +8,9 @@ the one encoding of :mod:`rdzv.kv` (the server's log writes the same). A compact
 with one snapshot record that rebuilds the whole state, ending with a :class:`Revision`.
 
 Version 1 (rdzv before the shared encoding) packed its effects its own way; such a file is
-still read, and the first write converts it (see ``FileStore._append``). Encoding and decoding
-do no I/O.
+still read, and rewritten in version 2 by the first client that writes (every client but a
+``read_only`` one opens a session, a write: ``FileStore._convert``). Encoding and decoding do no
+I/O.
 """
 
 from __future__ import annotations
