@@ -111,10 +111,13 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
 
 def bring_in(node: Node, acts: list[Act], now: float) -> Result:
     """Bring this node's warm workers started to join (FRESH) into the group, all at once (one
-    switch): once none of them is still starting, or ``CONNECT_GRACE`` after their start."""
-    if not any(s.state is Worker.FRESH for s in node.slots):
+    switch): once none of them is still starting, or ``CONNECT_GRACE`` after the first of them
+    turned warm (a start-up slowed by a loaded machine slows its peers' as much: a node whose
+    workers come in one by one costs the job a switch for each)."""
+    warm = [s.sampled for s in node.slots if s.state is Worker.FRESH]
+    if not warm:
         return replace(node, deadline=math.inf), acts
-    wait_until = node.started + CONNECT_GRACE
+    wait_until = max(node.started, min(warm)) + CONNECT_GRACE
     if any(s.state is Worker.ENDING for s in node.slots) or (now < wait_until and any(
             s.state is Worker.STARTING and s.join for s in node.slots)):
         return replace(node, deadline=wait_until), acts
