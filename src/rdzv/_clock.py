@@ -1,7 +1,8 @@
 """Time as rdzv's protocols read it: a clock is handed to the code whose decisions depend on
-time (the agent's node run, its console, its health checks), so that tests move time instead of
-sleeping through it. Code that only bounds a real wait (a socket, a store call) reads the
-system's clocks itself.
+time (the dynamic rendezvous's engine; the agent's node run, its console, its health checks
+and its watchers of a transition's round; the TCP store client's keepalive), so that tests move
+time instead of sleeping through it. Code that only bounds a real wait (a socket, a store call)
+reads the system's clocks itself.
 """
 
 from __future__ import annotations

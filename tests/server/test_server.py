@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from _clock import ManualClock
 from _raw import Raw, wait_until
 
 from rdzv.errors import (
@@ -403,6 +404,25 @@ def test_idle_client_keeps_its_session_by_keepalive(server: StoreServer, store: 
     time.sleep(2.0)  # more than 3 ttl without a call of its own
     assert store.try_get("idle-eph") == b"1"
     idle.close()
+
+
+def test_the_keepalive_pings_when_the_clients_clock_says_it_is_idle(server: StoreServer) -> None:
+    clock = ManualClock()
+    idle = TCPStore("127.0.0.1", server.port, timeout=10, session_ttl=30, clock=clock)
+    try:  # a ping after 10 s of its clock without a call; real time moves well under that
+        idle.set("idle", "1")
+
+        def pings() -> int:
+            return server.metrics().requests.get("ping", 0)
+
+        assert pings() == 0
+        clock.advance(10.5)
+        wait_until(lambda: pings() == 1, 5, "a ping once the client's clock says it is idle")
+        idle.set("busy", "1")  # a call: idle again from now on
+        clock.advance(10.5)
+        wait_until(lambda: pings() == 2, 5, "the next period's ping")
+    finally:
+        idle.close()
 
 
 def test_blocking_get_longer_than_the_ttl_keeps_the_session(server: StoreServer, store: TCPStore) -> None:

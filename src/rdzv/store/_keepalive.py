@@ -19,8 +19,8 @@ _monotonic = time.monotonic
 class Pinged(Protocol):
     """What the keepalive asks of a connection (a :class:`~._tcp_conn.StoreConnection`)."""
 
-    def keepalive_due(self) -> float:
-        """When (monotonic) the connection will want a ping."""
+    def keepalive_in(self) -> float:
+        """Seconds until the connection wants a ping (by its own clock; <= 0: now)."""
 
     def keepalive(self) -> None:
         """Ping the server if the connection is idle (never blocking on a call under way)."""
@@ -42,7 +42,7 @@ class Keepalive:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="rdzv-store-keepalive", daemon=True)
                 self._thread.start()
-            elif conn.keepalive_due() < self._wake_at:
+            elif _monotonic() + conn.keepalive_in() < self._wake_at:
                 self._cond.notify()  # not for every connection: each wake-up visits all of them
 
     def unregister(self, conn: Pinged) -> None:
@@ -56,14 +56,13 @@ class Keepalive:
             now = _monotonic()
             next_due = now + 1.0
             for conn in conns:
-                due = conn.keepalive_due()
-                if due <= now:
+                due_in = conn.keepalive_in()
+                if due_in <= 0:
                     conn.keepalive()
-                    due = conn.keepalive_due()
-                    if due <= now:  # busy: its own call is on the wire
-                        due = now + 0.05
-                if due < next_due:
-                    next_due = due
+                    due_in = conn.keepalive_in()
+                    if due_in <= 0:  # busy: its own call is on the wire
+                        due_in = 0.05
+                next_due = min(next_due, now + due_in)
             del conns
             with self._cond:
                 self._wake_at = next_due

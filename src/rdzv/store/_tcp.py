@@ -36,6 +36,7 @@ import weakref
 from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
+from .._clock import SYSTEM_CLOCK, Clock
 from ..errors import StoreProtocolError, StoreTimeoutError, StoreUnsupportedError, StoreValueError
 from ..kv import DEFAULT_SESSION_TTL, auth, protocol as P
 from . import _tcp_blocking as blocking
@@ -102,7 +103,8 @@ class TCPStore(Store):
 
     ``secret`` (default: ``$RDZV_STORE_SECRET``) authenticates this client to the server and the
     server to it. ``session_ttl`` is how long the server keeps this client's ephemeral keys after
-    it stops hearing from it (0: only until the connection closes).
+    it stops hearing from it (0: only until the connection closes); the client pings it when
+    idle for a third of that by ``clock`` (:mod:`rdzv._clock`; tests move it by hand).
     """
 
     capabilities = StoreCapabilities(
@@ -123,6 +125,7 @@ class TCPStore(Store):
         *,
         secret: auth.Secret = None,
         session_ttl: float = DEFAULT_SESSION_TTL,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(timeout)
         host_name, port, world_size = check_arguments(
@@ -139,7 +142,7 @@ class TCPStore(Store):
             self._server = server
             port = server.port
             self._finalizer = weakref.finalize(self, stop_server, server)
-        self._conn = StoreConnection(host_name, port, shared, session_ttl, self._timeout)
+        self._conn = StoreConnection(host_name, port, shared, session_ttl, self._timeout, clock)
         self._slice_ms = P.wait_ms(self._conn.ping_every)
         """A whole server-side wait of a blocking read (see :mod:`._tcp_blocking`)."""
         self._server_lacks_watch_get = False

@@ -9,7 +9,8 @@ lost connection within the call's timeout, with backoff: :func:`~._tcp_handshake
 greets the server, resuming the session, and every unconfirmed write is resent, in order (after
 a session expired, only what is safe to apply again). The server's error answers become rdzv
 errors (:mod:`._tcp_errors`). The keepalive thread of the process (:mod:`._keepalive`) pings it
-when idle for ``session_ttl / 3`` seconds.
+when idle for ``session_ttl / 3`` seconds by its clock (injected: :mod:`rdzv._clock`; the waits
+on the socket are bounded by the system's clock, since they are real).
 
 A request is given as an encoder of :mod:`rdzv.kv.protocol` and its arguments after the request
 id: ``encode(rid, *args)`` is called with the lock held, once the id is drawn.
@@ -24,6 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from .._clock import SYSTEM_CLOCK, Clock
 from .._patience import Patience
 from ..errors import SessionExpiredError, StoreError
 from ..kv import protocol as P
@@ -61,7 +63,8 @@ class StoreConnection:
     docstring). Thread safe; not open until :meth:`open`."""
 
     def __init__(
-        self, host: str, port: int, secret: bytes | None, session_ttl: float, timeout: float
+        self, host: str, port: int, secret: bytes | None, session_ttl: float, timeout: float,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.host = host
         self.port = port
@@ -89,7 +92,9 @@ class StoreConnection:
         self._closed = False
         self._pending_error: BaseException | None = None
         """An error of the keepalive's ping (the session expired) for the next call to raise."""
-        self._last_send = _monotonic()
+        self._now = clock.monotonic
+        """The clock that says when the connection is idle (its keepalive's decision)."""
+        self._last_send = self._now()
         self._batch_owner: int | None = None
         """The thread in a batch (only its writes are held)."""
         self._batch_depth = 0
@@ -189,7 +194,7 @@ class StoreConnection:
             sock = self._sock
             if sock is not None and self._pending_error is None:
                 try:
-                    self._last_send = _monotonic()
+                    self._last_send = self._now()
                     sock.sendall(pipe.with_held(b"".join(frames)))
                     for i in range(len(frames)):
                         answers.append(pipe.read(sock, first + i))
@@ -267,15 +272,15 @@ class StoreConnection:
         return E.answer_error(self.addr, status, payload, what, key)
 
     # -- keepalive (called by the keepalive thread) ---------------------------------------------
-    def keepalive_due(self) -> float:
-        return self._last_send + self.ping_every
+    def keepalive_in(self) -> float:
+        return self._last_send + self.ping_every - self._now()
 
     def keepalive(self) -> None:
         """Ping the server if nothing was sent for a period (and no call is under way)."""
         if self._closed or not self._lock.acquire(blocking=False):
             return
         try:
-            if self._closed or _monotonic() - self._last_send < self.ping_every:
+            if self._closed or self.keepalive_in() > 0:
                 return
             rid = self._rid = self._rid + 1
             try:
@@ -283,7 +288,7 @@ class StoreConnection:
             except SessionExpiredError as exc:
                 self._pending_error = exc
             except (StoreError, OSError) as exc:
-                self._last_send = _monotonic()  # retry at the next period, not at once
+                self._last_send = self._now()  # retry at the next period, not at once
                 log.debug("keepalive to %s failed: %s", self.addr, exc)
         finally:
             self._lock.release()
@@ -329,7 +334,7 @@ class StoreConnection:
             result = self._request_slow(frame, rid, deadline, None)
         else:
             try:
-                self._last_send = _monotonic()
+                self._last_send = self._now()
                 sock.sendall(pipe.with_held(frame) if pipe.held else frame)
                 result = pipe.read(sock, rid)
             except StoreError:
@@ -370,7 +375,7 @@ class StoreConnection:
             attempts += 1
             sent_in = self.session
             try:
-                self._last_send = _monotonic()
+                self._last_send = self._now()
                 sock.sendall(self._pipe.with_held(frame))
                 return self._pipe.read(sock, rid)
             except StoreError:
