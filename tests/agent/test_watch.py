@@ -8,7 +8,9 @@ import threading
 from typing import Any, Sequence
 
 from _agents import wait_for
+from _clock import ManualClock
 
+from rdzv._clock import SYSTEM_CLOCK, Clock
 from rdzv.agent._protocol import Decided, RecordsIn
 from rdzv.agent._records import Decision, Kind, dumps_decision
 from rdzv.agent._watch import WAIT_SLICE, watch_round
@@ -37,12 +39,12 @@ class CountingStore(HashStore):
         return super().read_many(keys, counts, revisions, lists)
 
 
-def watching(store: CountingStore, coordinator: bool, timeout: float) -> tuple[list[Any],
-                                                                              threading.Event]:
+def watching(store: CountingStore, coordinator: bool, timeout: float,
+             clock: Clock = SYSTEM_CLOCK) -> tuple[list[Any], threading.Event]:
     """A round watcher on ``store`` in a thread of its own: (what it posted, its stop)."""
     posted: list[Any] = []
     stopped = threading.Event()
-    body = watch_round(store, 1, posted.append, coordinator, 2, timeout)
+    body = watch_round(store, 1, posted.append, coordinator, 2, timeout, clock)
     threading.Thread(target=body, args=(stopped,), daemon=True).start()
     return posted, stopped
 
@@ -62,10 +64,13 @@ def test_a_waiting_node_reads_the_control_keys_only_when_they_changed() -> None:
 
 
 def test_the_coordinator_gets_what_there_is_at_its_deadline_without_a_change() -> None:
-    store = CountingStore()
+    store, clock = CountingStore(), ManualClock()
     store.set(ready_key(0), b"1")  # one of two records final: the wait ends at the deadline
-    posted, stopped = watching(store, coordinator=True, timeout=3 * WAIT_SLICE)
+    posted, stopped = watching(store, coordinator=True, timeout=60.0, clock=clock)
     try:
+        wait_for(lambda: store.watches >= 2, 30 * WAIT_SLICE, "two slices before the deadline")
+        assert posted == []
+        clock.advance(60.0)  # the deadline, by the node's clock
         wait_for(lambda: posted, 5.0, "the records posted at the coordinator's deadline")
         assert len(posted) == 1 and isinstance(posted[0], RecordsIn) and posted[0].timed_out
         assert posted[0].records == {0: None, 1: None} and store.reads == 2

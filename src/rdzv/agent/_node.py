@@ -278,10 +278,11 @@ class NodeRun:
         self.watches.membership(gen, watch_membership(
             self.handler, info.store, gen, post,
             lambda spares: self.health.beat(info, gen, self.node, spares, post),
-            heartbeat_every(self.session_ttl), self.config.monitor_interval))
+            heartbeat_every(self.session_ttl), self.config.monitor_interval, self.clock))
         if transition:
             self.watches.round(gen, info.store, lambda store: watch_round(
-                store, gen, post, node.coordinator, node.nodes, self.rules.switch_timeout))
+                store, gen, post, node.coordinator, node.nodes, self.rules.switch_timeout,
+                self.clock))
 
     def _act_record(self) -> None:
         info, node = self.info, self.node
@@ -399,7 +400,8 @@ class NodeRun:
             return
         self.watches.stop_round()  # this node's own announcement is no news
         self.watches.add("rdzv-leave", watch_next(
-            info.store, self.events.put, max(0.0, node.leave.deadline - self.clock.monotonic())))
+            info.store, self.events.put, max(0.0, node.leave.deadline - self.clock.monotonic()),
+            self.clock))
 
     def _act_leave_plans(self, step_: int) -> None:
         self.crew.send_leave(self.node.gen, step_)

@@ -14,9 +14,9 @@ import errno
 import logging
 import socket
 import threading
-import time
 from typing import Any, Callable
 
+from .._clock import Clock
 from ..errors import RendezvousError, SessionExpiredError, StoreConnectionError
 from ..rendezvous import (
     AGENT_ABANDON,
@@ -71,18 +71,18 @@ class Watcher:
 
 def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
                      post: Callable[[Any], None], heartbeat: Callable[[int], None], every: float,
-                     wait_slice: float) -> Callable[[threading.Event], None]:
+                     wait_slice: float, clock: Clock) -> Callable[[threading.Event], None]:
     """A watcher body posting :class:`Changed` each time round ``gen``'s membership differs
     from what it last posted (edge-triggered), and refreshing this node's sign of life every
-    ``every`` seconds (``heartbeat(spares)``: the spares seen waiting last). ``store`` is the
-    round's store (for the count of leaving members)."""
+    ``every`` seconds of ``clock`` (``heartbeat(spares)``: the spares seen waiting last).
+    ``store`` is the round's store (for the count of leaving members)."""
 
     def body(stopped: threading.Event) -> None:
-        since, last, beat, spares = 0, None, time.monotonic(), 0
+        since, last, beat, spares = 0, None, clock.monotonic(), 0
         while not stopped.is_set():
             try:
-                if time.monotonic() - beat >= every:
-                    beat = time.monotonic()
+                if clock.monotonic() - beat >= every:
+                    beat = clock.monotonic()
                     heartbeat(spares)
                 seen = handler.membership(since, wait_slice)
                 if seen is None:  # a backend without counts: any change is news
@@ -121,17 +121,17 @@ def watch_membership(handler: RendezvousHandler, store: Store, gen: int,
 
 
 def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator: bool,
-                nodes: int, timeout: float) -> Callable[[threading.Event], None]:
+                nodes: int, timeout: float, clock: Clock) -> Callable[[threading.Event], None]:
     """A watcher body for a transition's round ``gen``: posts the hint, the decision and abandon
     marks as they appear; the coordinator also gets every record once all are final, or what
-    there is after ``timeout`` seconds (:class:`RecordsIn`). Non-coordinators watch the control
+    there is after ``timeout`` seconds of ``clock`` (:class:`RecordsIn`). Non-coordinators watch the control
     keys only (O(1) wake-ups); the coordinator watches the records too. The keys are read again
     only once the watch saw them change: a slice without a change costs one watch request (N
     nodes waiting T seconds for a decision: N x T / WAIT_SLICE watches, not 5 times that)."""
 
     def body(stopped: threading.Event) -> None:
         path = AGENT_DIR if coordinator else AGENT_CTL
-        deadline = time.monotonic() + timeout
+        deadline = clock.monotonic() + timeout
         since, hinted, decided, records_sent, abandoned = 0, False, False, False, 0
         while not stopped.is_set():
             try:
@@ -159,7 +159,7 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
             if reads.counts[AGENT_ABANDON] > abandoned:
                 abandoned = reads.counts[AGENT_ABANDON]
                 post(Abandoned(gen))
-            timed_out = time.monotonic() >= deadline
+            timed_out = clock.monotonic() >= deadline
             if coordinator and not decided and not records_sent and (
                     reads.counts[AGENT_READY] >= nodes or timed_out):
                 records_sent = True
@@ -167,7 +167,7 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
             since = max(since, reads.revisions[path])
             waiting = coordinator and not records_sent
             while not stopped.is_set():  # a slice that saw no change needs no read: watch on
-                remaining = deadline - time.monotonic() if waiting else WAIT_SLICE
+                remaining = deadline - clock.monotonic() if waiting else WAIT_SLICE
                 try:
                     if store.watch(path, since, max(0.0, min(WAIT_SLICE, remaining))) > since:
                         break
@@ -175,7 +175,7 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
                     logger.warning("cannot watch the round's decision: %s", exc)
                     stopped.wait(WAIT_SLICE)
                     break
-                if waiting and time.monotonic() >= deadline:
+                if waiting and clock.monotonic() >= deadline:
                     break  # the coordinator's wait for the records is over
 
     return body
@@ -194,13 +194,14 @@ def read_records(store: Store, nodes: int) -> dict[int, NodeRecord | None]:
     return found
 
 
-def watch_next(store: Store, post: Callable[[Any], None],
-               timeout: float) -> Callable[[threading.Event], None]:
+def watch_next(store: Store, post: Callable[[Any], None], timeout: float,
+               clock: Clock) -> Callable[[threading.Event], None]:
     """A leaving node: posts how the others moved on (:class:`NextSeen`, None after
-    ``timeout`` seconds), from the key the next round's coordinator writes in this round."""
+    ``timeout`` seconds of ``clock``), from the key the next round's coordinator writes in this
+    round."""
 
     def body(stopped: threading.Event) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = clock.monotonic() + timeout
         while not stopped.is_set():
             try:
                 since = store.revision(AGENT_NEXT)
@@ -208,14 +209,14 @@ def watch_next(store: Store, post: Callable[[Any], None],
                 if raw is not None:
                     post(NextSeen(loads_decision(AGENT_NEXT, raw)))
                     return
-                remaining = deadline - time.monotonic()
+                remaining = deadline - clock.monotonic()
                 if remaining <= 0:
                     post(NextSeen(None))
                     return
                 store.watch(AGENT_NEXT, since, min(WAIT_SLICE, remaining))
             except RendezvousError as exc:
                 logger.warning("cannot learn whether the others moved on: %s", exc)
-                if stopped.wait(WAIT_SLICE) or time.monotonic() >= deadline:
+                if stopped.wait(WAIT_SLICE) or clock.monotonic() >= deadline:
                     post(NextSeen(None))
                     return
 
