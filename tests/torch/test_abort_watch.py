@@ -48,9 +48,23 @@ else:
 """
 
 
-def start(mode: str, server: ChannelServer) -> subprocess.Popen[str]:
+TOLD_TO_LEAVE = r"""
+import signal, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as in a collective: no handler runs
+from rdzv.torch._group import agent_link
+link = agent_link()
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while not link._gone and time.monotonic() < deadline:  # the agent's end is seen first
+    time.sleep(0.01)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the collective fails: it runs now
+link.wait()  # the step failed: the worker waits for its next plan
+"""
+
+
+def start(mode: str, server: ChannelServer, script: str = WORKER) -> subprocess.Popen[str]:
     env = {**os.environ, ENV_CHANNEL: server.path, "LOCAL_RANK": "0"}
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, mode], env=env, text=True,
+    worker = subprocess.Popen([sys.executable, "-c", script, mode], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert worker.stdout is not None and worker.stdout.readline() == "ready\n"
     return worker
@@ -70,7 +84,7 @@ def test_a_worker_whose_collective_outlives_the_abort_ends_itself() -> None:
         assert code == -signal.SIGKILL, err  # the agent restarts a killed worker alone
         assert ABORT_GRACE <= took < ABORT_GRACE + 5, took
         assert "the agent aborted the process group (a member is lost): 2 socket(s)" in err
-        assert "collective still waits 1.0 s after the abort" in err
+        assert f"collective still waits {ABORT_GRACE:.1f} s after the abort" in err
         assert "its agent restarts it alone and it rejoins from its peers" in err
     finally:
         worker.kill()
@@ -93,3 +107,23 @@ def test_a_worker_waiting_for_its_plan_is_not_ended_by_an_abort() -> None:
         worker.kill()
         worker.wait(timeout=10)
         server.close()
+
+
+def test_a_worker_told_to_leave_ends_quietly_when_its_agent_ended_first() -> None:
+    """scancel of a whole job: every process gets SIGTERM at once. A worker in a collective runs
+    its handler only once the collective fails, after its agent's end was seen: it ends as
+    SIGTERM's default action would, not with a traceback about its agent."""
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
+    worker = start("", server, TOLD_TO_LEAVE)
+    try:
+        assert isinstance(seen.get(timeout=10)[1], Hello)
+        worker.send_signal(signal.SIGTERM)  # pending until the script unblocks it
+        server.close()  # its agent ends
+        code = worker.wait(timeout=30)
+        _, err = worker.communicate(timeout=10)
+        assert code == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err, err
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)

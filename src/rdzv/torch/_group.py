@@ -49,9 +49,11 @@ STORE_TIMEOUT = timedelta(minutes=5)
 """How long a new group's store waits for its members (an abort ends it sooner)."""
 WAIT_SLICE = 1.0
 """Seconds between checks that the agent is still there, while a worker waits for a plan."""
-ABORT_GRACE = 1.0
+ABORT_GRACE = 3.0
 """Seconds (at least; three steps if steps are slower) an aborted group's pending collective
-has to fail before the worker ends itself (see :meth:`AgentLink.beat`)."""
+has to fail before the worker ends itself (see :meth:`AgentLink.beat`). Not less: on a loaded
+machine a training thread woken by the abort took over a second to leave a backward pass, and
+ending it costs a restart of the worker (seconds of start-up), more than the wait."""
 
 group_sockets = GroupSockets()
 """The sockets of this process's groups (to abort them when a peer is lost)."""
@@ -198,6 +200,10 @@ class AgentLink:
                         self._moves += 1
                         return plan, group_sockets.aborts
                     if self._gone:
+                        # told to leave by a SIGTERM that waited for a collective to return (a
+                        # signal's handler runs between two lines of Python): end as its
+                        # default action would, as when the agent's end is seen first
+                        self._on_stop()
                         raise SwitchError("this worker's rdzv agent is gone")
                     self._cond.wait(WAIT_SLICE)
             finally:
