@@ -39,9 +39,10 @@ from rdzv.store import EtcdStore  # noqa: E402
 
 HUNG = {"heartbeat_interval": 1.0, "heartbeat_misses": 4}
 """A 4 s lease: a SIGSTOPped node's keys vanish about 4 s after it stops."""
-SHORT_LEASE = {"heartbeat_interval": 2.0, "heartbeat_misses": 5}
-"""The contract's nodes: a killed node's keys vanish 10 s after its last keep-alive (long
-enough that a live node's keep-alives, every 3.3 s, survive a heavily loaded machine)."""
+SHORT_LEASE = {"heartbeat_interval": 2.0, "heartbeat_misses": 3}
+"""The contract's nodes: a killed node's keys vanish 6 s after its last keep-alive (long
+enough that a live node's keep-alives, every 2 s, survive a heavily loaded machine, as the
+4 s leases of :data:`HUNG` do)."""
 
 
 @pytest.fixture(scope="module", params=etcd_params())
@@ -81,8 +82,8 @@ class TestEtcdBackend(RendezvousContract):
 
     def test_round_completes_without_a_node_that_died_in_the_last_call(self, cluster):
         """etcd has no connection-bound session: a killed node is dropped when its lease
-        expires, so the last call here outlasts the 10 s lease (the contract's 2 s would not)."""
-        nodes = [cluster.node(2, 4, last_call_timeout=20.0) for _ in range(3)]
+        expires, so the last call here outlasts the 6 s lease (the contract's 2 s would not)."""
+        nodes = [cluster.node(2, 4, last_call_timeout=12.0) for _ in range(3)]
         pending = [n.request("next") for n in nodes]
         eventually(lambda: nodes[0].call("waiting") == 3, AT_ONCE, "three joined")
         nodes[2].kill()
