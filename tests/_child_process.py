@@ -45,15 +45,23 @@ class PipedChild:
         self.process.send_signal(signal.SIGCONT)
         self._stopped = False
 
-    def close(self) -> None:
-        """End the child by closing its input (killed if it does not exit within 10 s)."""
+    def tell_to_end(self) -> None:
+        """Close the child's input, its sign to end (without waiting: see :meth:`close`)."""
         if self.process.poll() is None:
             if self._stopped:
                 self.resume()
             assert self.process.stdin is not None
             try:
                 self.process.stdin.close()
-                self.process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(timeout=30)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """End the child by closing its input (killed if it does not exit within 10 s). Many
+        children end together when each is told first (torch's exit takes most of a second)."""
+        self.tell_to_end()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=30)

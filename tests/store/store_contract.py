@@ -115,6 +115,9 @@ class StoreContract:
             return peers[-1]
 
         yield start
+        for peer in peers:  # told together, they end together
+            if isinstance(peer, ProcessPeer):
+                peer.tell_to_end()
         for peer in peers:
             peer.close()
 
