@@ -40,6 +40,8 @@ class ProcessCluster:
         return store
 
     def close(self) -> None:
+        for node in self.nodes:  # told together, they end together
+            node.tell_to_end()
         for node in self.nodes:
             node.close()
         for store in self._stores:
