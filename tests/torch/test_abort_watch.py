@@ -49,14 +49,13 @@ else:
 
 
 TOLD_TO_LEAVE = r"""
-import signal, time
+import signal
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as in a collective: no handler runs
 from rdzv.torch._group import agent_link
 link = agent_link()
 print("ready", flush=True)
-deadline = time.monotonic() + 30
-while not link._gone and time.monotonic() < deadline:  # the agent's end is seen first
-    time.sleep(0.01)
+with link._cond:  # the agent's end is seen first
+    link._cond.wait_for(lambda: link._gone, timeout=30)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the collective fails: it runs now
 link.wait()  # the step failed: the worker waits for its next plan
 """
