@@ -26,20 +26,24 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-LONG_FIRST = ("torch", "trainchaos", "clusters", "chaos")
-"""Folders whose files run longest (real training jobs, soaks, a Slurm cluster), collected
-first: with ``--dist loadfile`` the two workers start on them and the many short files fill the
-end, instead of one long file running alone at the end while the other worker idles."""
+LONG_FIRST = ("torch", "trainchaos", "clusters", "rendezvous/test_etcd_backend.py",
+              "store/test_torch_adapter_contract.py", "agent/test_agent.py", "etcd", "chaos")
+"""Folders and files that run longest (real training jobs, soaks, a Slurm cluster, two etcd
+versions, torch in every peer), collected first: the two workers start on them and the many
+short files fill the end, instead of one long file running alone at the end while the other
+worker idles. (``scripts/test`` passes ``--no-loadscope-reorder``: by default pytest-xdist
+hands out the files with the most tests first, which put the longest, with few tests, last.)"""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
 
-    def folder_rank(item: pytest.Item) -> int:
-        folder = Path(str(item.fspath)).relative_to(tests).parts[0]
-        return LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST)
+    def rank(item: pytest.Item) -> int:
+        path = Path(str(item.fspath)).relative_to(tests)
+        return next((i for i, long in enumerate(LONG_FIRST)
+                     if path == Path(long) or Path(long) in path.parents), len(LONG_FIRST))
 
-    items.sort(key=folder_rank)  # (stable: each file's tests stay together, in order)
+    items.sort(key=rank)  # (stable: each file's tests stay together, in order)
 
 
 def pytest_configure(config: pytest.Config) -> None:
