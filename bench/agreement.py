@@ -75,6 +75,7 @@ from rdzv.agent._decide import DecideContext
 from rdzv.agent._protocol import Decided, Node, RecordsIn
 from rdzv.agent._records import Assignment, Decision, NodeRecord, SlotReport, SlotState
 from rdzv.agent._round_io import read_assignment, write_decision, write_record
+from rdzv._clock import SYSTEM_CLOCK
 from rdzv.agent._watch import watch_round
 from rdzv.rendezvous._node import PortReservation
 from rdzv.store import PrefixStore, Store, TCPStore
@@ -156,7 +157,7 @@ def play(store: Store, g: int, n: int, record: NodeRecord) -> Played:
     try:
         write_record(store, Node(group_rank=g, nodes=n, record_final=True), record)
         played.wrote = time.monotonic()
-        watch_round(store, 1, post, g == 0, n, TIMEOUT)(stopped)
+        watch_round(store, 1, post, g == 0, n, TIMEOUT, SYSTEM_CLOCK)(stopped)
     except Exception as exc:  # reported by the driver
         played.errors.append(f"node {g}: {type(exc).__name__}: {exc}")
     if played.assignment is None and not played.errors:

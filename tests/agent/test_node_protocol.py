@@ -383,6 +383,16 @@ def test_progress_reports_keep_the_record_current() -> None:
     assert (node.slots[0].step, node.slots[0].step_time, acts) == (57, 0.06, [])
 
 
+def test_workers_started_to_join_wait_for_each_other_from_the_first_warm_one() -> None:
+    slow = replace(running(nproc=2), slots=(Slot(Worker.STARTING, join=True),
+                                            Slot(Worker.STARTING, join=True)),
+                   started=NOW - CONNECT_GRACE - 2)  # a start-up slowed past the grace
+    node, acts = step(slow, worker(Hello(0, 1, fresh=True)), NOW, RULES)
+    assert node.phase is Phase.RUNNING and node.deadline == NOW + CONNECT_GRACE and acts == []
+    node, acts = step(node, worker(Hello(1, 1, fresh=True), 1), NOW + 1, RULES)
+    assert node.phase is Phase.FORMING and whats(acts) == ["join"]  # both in one switch
+
+
 def test_workers_starting_connect_within_a_grace_or_never() -> None:
     starting = replace(running(), phase=Phase.FORMING, slots=(Slot(Worker.STARTING),),
                        inprocess=None, started=NOW - 1)

@@ -115,4 +115,5 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # its client is closed: skip the interpreter's teardown (seconds with torch loaded)

@@ -126,3 +126,4 @@ def test_a_worker_told_to_leave_ends_quietly_when_its_agent_ended_first() -> Non
     finally:
         worker.kill()
         worker.wait(timeout=10)
+        server.close()

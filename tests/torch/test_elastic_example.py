@@ -65,7 +65,7 @@ def test_training_goes_on_through_a_join_and_a_kill(launcher: Launcher, tmp_path
                      if line.startswith("[rdzv"))
     assert phases == [4, 6, 4], (phases, said)  # the agents' lines say what each change was
     assert entries[-1]["step"] == STEPS
-    for earlier, later in zip(entries, entries[1:]):  # resumed from a checkpoint, not from scratch
+    for earlier, later in zip(entries, entries[1:]):  # nothing goes back to the last checkpoint
         assert later["step"] > earlier["step"] - 10, (earlier, later)
     first_loss = entries[0]["loss"]
     starts = [e for i, e in enumerate(entries) if i and entries[i - 1]["world_size"] != e["world_size"]]
@@ -82,5 +82,6 @@ def test_training_goes_on_through_a_join_and_a_kill(launcher: Launcher, tmp_path
     text = first.output()
     assert "starting at step 0 with world size 4" in text
     assert "world size 6 at step" in text and "parameters identical on all ranks" in text
-    assert "switched in" in text  # the join and the kill: in-process
+    assert "switched in" in text and "recovered in-process" in text  # the join, the kill
+    assert text.count("started 2 worker(s)") == 1, text  # no worker restarted
     assert f"done: {STEPS} steps" in text

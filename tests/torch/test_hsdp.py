@@ -76,7 +76,7 @@ def test_sharded_training_survives_a_join_a_leave_and_a_kill_in_process(
     before = len(lines(log))
     os.killpg(third.pid, signal.SIGKILL)  # the agent and both its workers, mid-step
     third.wait(PHASE_TIMEOUT)
-    phase(lambda: steps_at(2, before) >= 20 and len(lines(checks)) == 4,
+    phase(lambda: steps_at(2, before) >= 20 and len(lines(checks)) >= 4,
           "20 steps and a check after the kill", first)
     first.signal(signal.SIGTERM)  # the last node, alone: it stops its workers and ends
     assert first.wait(PHASE_TIMEOUT) == 128 + signal.SIGTERM, first.output()[-8000:]

@@ -24,7 +24,8 @@ from ._records import SlotState
 
 CONNECT_GRACE = 10.0
 """Seconds after their start within which workers that use the in-process API connect to their
-agent (Python and torch start-up); workers silent longer do not use it."""
+agent (Python and torch start-up); workers silent longer do not use it. Workers started to join
+a running group wait for each other as long after the first of them connected."""
 MAX_FAILED_TRANSITIONS = 3
 """Transitions in a row that could not complete before the workers restart instead (a worker
 that fails every group it enters, a deterministic error taken for a lost peer)."""

@@ -273,6 +273,9 @@ class StoreConnection:
 
     # -- keepalive (called by the keepalive thread) ---------------------------------------------
     def keepalive_in(self) -> float:
+        """Seconds until this connection wants a ping, by its clock (<= 0: now). The session
+        it keeps is timed by the server's real clock: a hand-moved clock that stands still
+        longer than the ttl lets the session expire."""
         return self._last_send + self.ping_every - self._now()
 
     def keepalive(self) -> None:

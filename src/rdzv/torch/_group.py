@@ -200,10 +200,9 @@ class AgentLink:
                         self._moves += 1
                         return plan, group_sockets.aborts
                     if self._gone:
-                        # told to leave by a SIGTERM that waited for a collective to return (a
-                        # signal's handler runs between two lines of Python): end as its
-                        # default action would, as when the agent's end is seen first
-                        self._on_stop()
+                        if self._noticed:  # told to leave by a SIGTERM whose handler ran only
+                            self._on_stop()  # once a collective returned (a handler runs
+                            # between two lines of Python), after the agent's end was seen
                         raise SwitchError("this worker's rdzv agent is gone")
                     self._cond.wait(WAIT_SLICE)
             finally:
