@@ -119,14 +119,15 @@ def test_a_worker_that_misses_the_switch_makes_the_agents_restart(launcher: Laun
     stall = tmp_path / "stall"
     args = agent_args(tmp_path, free_port(), "--switch-timeout", "3", "--max-restarts", "3") + [
         WORKER, "--steps", "300", "--stall-file", str(stall), "--stall-rank", "1",
-        "--stall-seconds", "10",
-    ]
+        "--stall-seconds", "60",  # past the join (seconds under load), the switch and the abort's
+    ]                             # grace: the stall ends only with the worker
     first = launcher.start(args)
     second = launcher.start(args)
     wait_for(lambda: "step 20 world_size 2" in first.output(), PHASE_TIMEOUT, "20 steps")
     stall.touch()
     wait_for(lambda: "rank 1 stalls" in first.output() + second.output(), PHASE_TIMEOUT,
              "the stall")
+    stall.unlink()  # one stall: the worker started in its place trains on
     third = launcher.start(args)
     codes = [first.wait(PHASE_TIMEOUT * 2), second.wait(PHASE_TIMEOUT), third.wait(PHASE_TIMEOUT)]
     outputs = first.output() + second.output() + third.output()
