@@ -31,7 +31,7 @@ LONG_FIRST = ("torch", "trainchaos", "clusters", "rendezvous/test_etcd_backend.p
 """Folders and files that run longest (real training jobs, soaks, a Slurm cluster, two etcd
 versions, torch in every peer), collected first: the two workers start on them and the many
 short files fill the end, instead of one long file running alone at the end while the other
-worker idles. (``scripts/test`` passes ``--no-loadscope-reorder``: by default pytest-xdist
+worker idles. (pyproject.toml's addopts pass ``--no-loadscope-reorder``: by default pytest-xdist
 hands out the files with the most tests first, which put the longest, with few tests, last.)"""
 
 
