@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from _child_process import end_together
 from _nodes import ProcessNode
 
 from rdzv.store import Store
@@ -40,9 +41,6 @@ class ProcessCluster:
         return store
 
     def close(self) -> None:
-        for node in self.nodes:  # told together, they end together
-            node.tell_to_end()
-        for node in self.nodes:
-            node.close()
+        end_together(list(self.nodes))
         for store in self._stores:
             store.close()

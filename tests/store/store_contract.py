@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from _child_process import end_together
 from _peers import PeerError, ProcessPeer, ThreadPeer
 
 from rdzv.errors import QueueEmptyError, StoreTimeoutError, StoreUnsupportedError, StoreValueError
@@ -115,11 +116,10 @@ class StoreContract:
             return peers[-1]
 
         yield start
-        for peer in peers:  # told together, they end together
-            if isinstance(peer, ProcessPeer):
-                peer.tell_to_end()
+        end_together([peer for peer in peers if isinstance(peer, ProcessPeer)])
         for peer in peers:
-            peer.close()
+            if isinstance(peer, ThreadPeer):
+                peer.close()
 
     @pytest.fixture
     def child(self, store_factory: Any, spawn: Callable[[], Any]) -> ProcessPeer:

@@ -122,7 +122,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._spare = False
         """This node waits as a spare (the running round is full), as last observed."""
         self._history_size = history_size
-        self.history = EventWriter(lambda: self._side.get(), run_id, tag=self._node_id,
+        self.history = EventWriter(self._side.get, run_id, tag=self._node_id,
                                    limit=history_size)
         """The run's history, written in the background (the agent records its events too)."""
         self.closed_here = False
