@@ -146,8 +146,12 @@ def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
     assert "restarting" not in healthy.output(), outputs  # in-process: one worker all along
     joined = next(i for i, e in enumerate(entries) if e["time"] > flagged[0]["time"] and
                   e["world_size"] == 2 and entries[i - 1]["world_size"] == 1)
+    flagged_at = next(i for i, e in enumerate(entries) if e["time"] > flagged[0]["time"])
     before = rate(entries[20:steps.index(80)])
+    during = rate(entries[steps.index(80) + 5:flagged_at])
     assert len(entries) - joined >= 60, (joined, len(entries))  # enough steps to measure
     after = rate(entries[joined + 20:])
-    assert after >= 0.9 * before, (before, after)
+    # The straggler held every step back (~1.7x slower); with the spare in its place the job is
+    # back near its speed before. Ratios of one run, with room for a loaded machine's noise.
+    assert after >= 1.3 * during and after >= 0.75 * before, (before, during, after)
     assert not events(port, "straggler_flagged")[1:], "a healthy node was flagged"
