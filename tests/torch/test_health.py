@@ -52,10 +52,17 @@ def test_a_worker_hung_in_its_own_code_is_ended_and_the_others_go_on(
     log = tmp_path / "progress.jsonl"
     port = serve(launcher)
     args = agent_args(tmp_path, port, example(tmp_path, 120))
-    args[args.index("--max-restarts"):args.index("--max-restarts")] = [
-        "--hang-timeout", str(HANG_TIMEOUT)]
-    healthy = launcher.start(args)
-    hung = launcher.start(args, env={"RDZV_EXAMPLE_HANG_AT": "40"})
+
+    def with_hang_timeout(timeout: float) -> list[str]:
+        at = args.index("--max-restarts")
+        return [*args[:at], "--hang-timeout", str(timeout), *args[at:]]
+
+    # Both workers stop at step 40 and each agent asks its own after its timeout from the
+    # worker's last report (every 0.5 s: the two may be 0.5 s apart). The healthy node's shorter
+    # timeout makes it ask first, so it is seen to wait (its own hang would be declared only at
+    # twice its timeout, 4.8 s) before the hung worker is ended (3 s).
+    healthy = launcher.start(with_hang_timeout(HANG_TIMEOUT * 0.8))
+    hung = launcher.start(with_hang_timeout(HANG_TIMEOUT), env={"RDZV_EXAMPLE_HANG_AT": "40"})
     codes = [node.wait(PHASE_TIMEOUT * 2) for node in (healthy, hung)]
     outputs = healthy.output()[-6000:] + hung.output()[-12000:]
     assert codes == [0, 0], outputs

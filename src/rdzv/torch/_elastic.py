@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,15 +58,32 @@ from ._group import (
     joined_plan,
     leave_group,
 )
-from ._sharded import Sharded, is_sharded
 from ._statesync import encode_tree, receive_state, send_state
 from ._steptime import StepTimer
+
+if TYPE_CHECKING:
+    from ._sharded import Sharded
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset")
 """What the message of a collective that failed because a peer is gone contains."""
+
+
+def _shards_of(model: torch.nn.Module | None,
+               optimizer: torch.optim.Optimizer | None) -> Sharded | None:
+    """What a model with DTensor parameters (FSDP2's ``fully_shard``) needs on every change;
+    None for a replicated model. DTensor is looked up, not imported: a program whose model holds
+    DTensors has imported it, and importing it with DCP costs every other worker's start
+    half a second."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if model is None or tensor is None or not any(
+            isinstance(p, tensor.DTensor) for p in model.parameters()):
+        return None
+    from ._sharded import Sharded  # (deferred, as above)
+
+    return Sharded(model, optimizer)
 
 
 class ElasticState:
@@ -118,7 +136,7 @@ class ElasticState:
         """Whether the workers of the current group are known to hold one state."""
         self._created = self._agreed = 0.0
         """When the group being entered was created, and its state agreed (perf_counter)."""
-        self._shards = Sharded(model, optimizer) if is_sharded(model) else None  # type: ignore[arg-type]
+        self._shards = _shards_of(model, optimizer)
         """The model's shards and replicas, for a model sharded over ``node_mesh()``."""
         self._link: AgentLink | None = agent_link()
         if self._link is None:

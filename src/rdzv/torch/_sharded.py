@@ -37,11 +37,6 @@ BUCKET = 32 << 20
 """Bytes of gradients reduced over the replicas by one all_reduce."""
 
 
-def is_sharded(model: torch.nn.Module | None) -> bool:
-    """Whether ``model`` holds DTensor parameters (FSDP2's ``fully_shard``)."""
-    return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
-
-
 class Sharded:
     """What :class:`ElasticState` does for a model sharded over :func:`node_mesh`."""
 
