@@ -48,13 +48,15 @@ def rdzv(request: Any, tmp_path: Any) -> Any:
         endpoint = f"127.0.0.1:{free_port()}" if backend == "tcp" else str(tmp_path / "rdzv")
 
         def args(self, nnodes: str, nproc: int = 2, *extra: str) -> list[str]:
+            """The flags of an agent; its workers (``_worker.py``) do not use the in-process API,
+            which the agent takes 1 s after their start (not the 10 s Python and torch may need)."""
             settings = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=10"
             return [
                 "--nnodes", nnodes, "--nproc-per-node", str(nproc),
                 "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint,
                 "--rdzv-id", "job", "--rdzv-conf", settings,
                 "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"),
-                "--stop-timeout", "5", *extra,
+                "--stop-timeout", "5", "--worker-connect-timeout", "1", *extra,
             ]
 
         def start(self, agents: Any, count: int, args: list[str]) -> list[Any]:

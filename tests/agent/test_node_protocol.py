@@ -35,10 +35,11 @@ from rdzv.agent._protocol import (
     Worker,
 )
 from rdzv.agent._records import Assignment, Decision, Kind, SlotState
-from rdzv.agent._moves import CONNECT_GRACE, MAX_FAILED_TRANSITIONS
+from rdzv.agent._moves import MAX_FAILED_TRANSITIONS
 from rdzv.agent._rules import step
 
 RULES = Rules(nproc=1, max_restarts=3, switch_timeout=60.0, leave_grace=30.0, min_nodes=1)
+CONNECT_GRACE = RULES.connect_grace
 NOW = 1000.0
 
 

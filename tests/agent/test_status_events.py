@@ -102,6 +102,7 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
             "--rdzv-backend", name, "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
             "--rdzv-conf", SETTINGS + conf, "--local-addr", "127.0.0.1",
             "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5",
+            "--worker-connect-timeout", "1",  # (the worker does not use the in-process API)
             "--no-python", PYTHON, str(worker), str(out)]
     agents = Launcher(tmp_path, "agent")
     args = [*RDZV_RUN, *args]

@@ -75,6 +75,8 @@ class LaunchConfig:
     """Seconds an in-process switch may take before the agents restart the workers instead."""
     leave_grace: float = DEFAULTS["leave_grace"]
     """Seconds a node asked to leave (SIGTERM, SIGINT) keeps training while the others move on."""
+    worker_connect_timeout: float = DEFAULTS["worker_connect_timeout"]
+    """Seconds a worker has after its start to connect through the in-process API."""
     hang_timeout: float | None = None
     """Seconds a worker may make no progress before it is checked for a hang (None: derived
     from its step time; 0: off)."""
@@ -218,6 +220,9 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                                "--switch-timeout 60"),
         leave_grace=checked_number(float, raw("leave_grace"), source("leave_grace"), 0,
                             "--leave-grace 30"),
+        worker_connect_timeout=checked_number(float, raw("worker_connect_timeout"),
+                                              source("worker_connect_timeout"), 0,
+                                              "--worker-connect-timeout 30"),
         hang_timeout=_hang_timeout(raw("hang_timeout"), source("hang_timeout")),
         straggler_factor=_straggler_factor(raw("straggler_factor"), source("straggler_factor")),
         replace_stragglers=bool(raw("replace_stragglers")),

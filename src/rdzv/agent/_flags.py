@@ -64,6 +64,11 @@ _OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
     ("switch_timeout", ("--switch-timeout", "--switch_timeout"),
      "Seconds an in-process switch to a new round may take (newcomers starting included) "
      "before the agents restart the workers instead.", "float", 60.0),
+    ("worker_connect_timeout", ("--worker-connect-timeout", "--worker_connect_timeout"),
+     "Seconds a worker has after its start to connect to its agent through rdzv.torch (its "
+     "Python and torch imports) before it is taken as not using the in-process API, so that a "
+     "membership change restarts it: raise it where imports are slow (a shared file system), "
+     "lower it for programs that do not use the API.", "float", 10.0),
     ("leave_grace", ("--leave-grace", "--leave_grace"),
      "Seconds a node asked to leave by SIGTERM or SIGINT keeps training while the other "
      "nodes form the next round without it (a second signal stops it at once).", "float", 30.0),

@@ -22,10 +22,6 @@ from ._protocol import (
 )
 from ._records import SlotState
 
-CONNECT_GRACE = 10.0
-"""Seconds after their start within which workers that use the in-process API connect to their
-agent (Python and torch start-up); workers silent longer do not use it. Workers started to join
-a running group wait for each other as long after the first of them connected."""
 MAX_FAILED_TRANSITIONS = 3
 """Transitions in a row that could not complete before the workers restart instead (a worker
 that fails every group it enters, a deterministic error taken for a lost peer)."""
@@ -100,7 +96,7 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
                                 pending=True)
         return moved, acts + more
     if any(s.state is Worker.FRESH for s in node.slots):
-        moved, acts = bring_in(node, acts, now)
+        moved, acts = bring_in(node, acts, now, rules)
         if moved.phase is Phase.RUNNING:  # they wait for a worker still starting: watch on
             acts = [*acts, act("watch", node.gen)]
         return moved, acts
@@ -110,15 +106,15 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     return node, acts + [act("watch", node.gen)]
 
 
-def bring_in(node: Node, acts: list[Act], now: float) -> Result:
+def bring_in(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     """Bring this node's warm workers started to join (FRESH) into the group, all at once (one
-    switch): once none of them is still starting, or ``CONNECT_GRACE`` after the first of them
+    switch): once none of them is still starting, or the connect grace after the first of them
     turned warm (a start-up slowed by a loaded machine slows its peers' as much: a node whose
     workers come in one by one costs the job a switch for each)."""
     warm = [s.sampled for s in node.slots if s.state is Worker.FRESH]
     if not warm:
         return replace(node, deadline=math.inf), acts
-    wait_until = max(node.started, min(warm)) + CONNECT_GRACE
+    wait_until = max(node.started, min(warm)) + rules.connect_grace
     if any(s.state is Worker.ENDING for s in node.slots) or (now < wait_until and any(
             s.state is Worker.STARTING and s.join for s in node.slots)):
         return replace(node, deadline=wait_until), acts

@@ -117,7 +117,8 @@ class NodeRun:
         """The store sessions' ttl: how long a lost member stays silent before it is gone."""
         self.rules = Rules(config.nproc_per_node, config.max_restarts, config.switch_timeout,
                            config.leave_grace, config.restart_on_change, config.min_nodes,
-                           hang_timeout=config.hang_timeout)
+                           hang_timeout=config.hang_timeout,
+                           connect_grace=config.worker_connect_timeout)
         self.node = Node(slots=(Slot(state=Worker.GONE),) * config.nproc_per_node)
         self.crew = Crew(agent)
         self.health = Health(agent, self.crew, str(getattr(self.handler, "node_id", "")))

@@ -50,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ._flags import DEFAULTS
 from ._records import Assignment, Decision, NodeRecord, SlotState
 
 Phase = enum.Enum("Phase", ["FORMING", "SETTLING", "AWAITING", "ENTERING", "RUNNING",
@@ -138,14 +139,19 @@ class Rules:
 
     nproc: int
     max_restarts: int = 0
-    switch_timeout: float = 60.0
-    leave_grace: float = 30.0
+    switch_timeout: float = DEFAULTS["switch_timeout"]
+    leave_grace: float = DEFAULTS["leave_grace"]
     restart_on_change: bool = False
     min_nodes: int = 1
     hosts_store: bool = False
     hang_timeout: float | None = None
     """Seconds without progress before a worker is checked for a hang (None: derived from its
     step time, ``_hang.py``; 0: no watch)."""
+    connect_grace: float = DEFAULTS["worker_connect_timeout"]
+    """Seconds after their start within which workers that use the in-process API connect to
+    their agent (``--worker-connect-timeout``); workers silent longer do not use it. Workers
+    started to join a running group wait for each other as long after the first of them
+    connected."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from typing import Any
 
 from ._hang import check_hangs
 from ._moves import (
-    CONNECT_GRACE,
     EXIT_BARRIER_TIMEOUT,
     TRANSITIONS,
     abandon,
@@ -79,8 +78,8 @@ def step(node: Node, event: Any, now: float, rules: Rules) -> Result:
 def _on_formed(node: Node, event: Formed, now: float, rules: Rules) -> Result:
     deadline = now + rules.switch_timeout
     if not settled(node):  # workers starting: they connect within the grace, or never
-        deadline = (node.started + CONNECT_GRACE if node.inprocess is None else
-                    now + max(rules.switch_timeout, CONNECT_GRACE))
+        deadline = (node.started + rules.connect_grace if node.inprocess is None else
+                    now + max(rules.switch_timeout, rules.connect_grace))
     node = replace(node, phase=Phase.SETTLING, gen=event.gen, group_rank=event.group_rank,
                    nodes=event.nodes, decision=None, assignment=None, hint=None,
                    hint_written=False, record_final=False, deadline=deadline)
@@ -248,7 +247,7 @@ def _on_time(node: Node, now: float, rules: Rules) -> Result:
     if now < node.deadline:
         return node, []
     if node.phase is Phase.RUNNING:
-        return bring_in(node, [], now)
+        return bring_in(node, [], now, rules)
     if node.phase is Phase.FINISHED:
         return exit_with(node, 0, say(f"not every node finished within {EXIT_BARRIER_TIMEOUT:g} "
                                    "s; leaving anyway"))

@@ -109,7 +109,7 @@ def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
     if node.phase is Phase.SETTLING and not node.record_final:
         return settle(node, acts)
     if node.phase is Phase.RUNNING and node.slots[lr].state is Worker.FRESH:
-        return bring_in(node, acts, now)
+        return bring_in(node, acts, now, rules)
     return node, acts
 
 
