@@ -55,3 +55,22 @@ def test_a_spare_takes_the_place_of_a_killed_member(agents: Any, rdzv: Any) -> N
     assert spare_ranks, spare.output()
     rdzv.stop()
     assert [nodes[0].wait(), spare.wait()] == [0, 0], nodes[0].output()[-4000:]
+
+
+def test_a_spare_asked_to_leave_goes_at_once(agents: Any, rdzv: Any) -> None:
+    """SIGTERM to a spare (a scale-in, a preemption) while it watches the store for a place:
+    it leaves at once, saying so, and its keys go with its session. Its store client's close
+    cuts the watch short; it used to wait for it and then say that the store did not answer."""
+    args = rdzv.until_stopped("1:1", 1)
+    member = rdzv.start(agents, 1, args)[0]
+    rdzv.running(1)
+    spare = agents.start(args)
+    wait_for(lambda: "waiting as a spare" in spare.output(), 120, "the spare")
+    spare.signal(signal.SIGTERM)
+    assert spare.wait() == 128 + signal.SIGTERM, spare.output()
+    said = spare.output()
+    assert "SIGTERM received while waiting for nodes: leaving the rendezvous" in said, said
+    assert "did not answer" not in said and "WARNING" not in said, said
+    assert len(worker_records(str(rdzv.out))) == 1  # the job was not disturbed
+    rdzv.stop()
+    assert member.wait() == 0, member.output()[-4000:]

@@ -3,12 +3,15 @@ are real child processes with TCPStore clients of their own."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, Callable, Iterator
 
 import pytest
+from _waiting import eventually
 from store_contract import StoreContract
 
-from rdzv.errors import StoreConnectionError
+from rdzv.errors import StoreConnectionError, StoreError
 from rdzv.server import StoreServer
 from rdzv.store import Store, TCPStore
 
@@ -124,3 +127,37 @@ def test_multi_tenant_masters_of_a_port_share_one_server() -> None:
         second.close()
     with pytest.raises(StoreConnectionError, match="connection refused"):
         TCPStore("127.0.0.1", port, timeout=0.5)
+
+
+def test_close_cuts_short_another_threads_blocking_get_and_still_ends_the_session() -> None:
+    """A node that stops while a thread of it waits in the store (a rendezvous formed in the
+    background) stops at once: close() does not wait out the wait's slice on the server (a
+    keepalive period, 10 s with this ttl). The waiting call raises StoreError; the session
+    still ends at once, so its ephemeral keys go now, not when the 30 s ttl runs out."""
+    factory = TCPStoreFactory()
+    waiter = TCPStore("127.0.0.1", factory.server.port, timeout=60, session_ttl=30)
+    try:
+        observer = factory.new_client()
+        waiter.set("alive", "1", ephemeral=True)
+        outcome: list[BaseException | bytes] = []
+
+        def wait_for_a_key_never_set() -> None:
+            try:
+                outcome.append(waiter.get("never"))  # (waits up to the 60 s timeout)
+            except StoreError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=wait_for_a_key_never_set)
+        thread.start()
+        eventually(lambda: factory.blocked() == 1, 10, "the get waiting in the server")
+        started = time.monotonic()
+        waiter.close()
+        closed_in = time.monotonic() - started
+        thread.join(10)
+        assert not thread.is_alive() and len(outcome) == 1
+        assert isinstance(outcome[0], StoreError) and "is closed" in str(outcome[0]), outcome
+        assert observer.try_get("alive") is None  # the session ended with the close
+        assert closed_in < 5.0, closed_in  # (10 s, the slice, before)
+    finally:
+        waiter.close()
+        factory.close()

@@ -294,7 +294,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.set_timeout(min(self._close_timeout, store.timeout.total_seconds()))
         self.history.close(min(2.0, self._close_timeout))
         try:
-            self._keys_held.leave()
+            if not (self._lock.locked() and self._side.opener is not None
+                    and self._on_shutdown is not None):
+                self._keys_held.leave(self._query())
+            # (else another thread joins a round through this node's client, which serves one
+            # call at a time: the backend's close below cuts its watch short and ends its
+            # session, and with it this node's keys, all ephemeral)
             self._member = None
             return True
         except RendezvousError as exc:

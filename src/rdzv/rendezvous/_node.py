@@ -94,14 +94,16 @@ class KeyLedger:
         self._delete(self._garbage)
         self._garbage = []
 
-    def leave(self) -> None:
-        """Drop out (timed out, closed, leaving): delete every key this node still has."""
-        self._delete(self._owned + self._stale + self._garbage)
+    def leave(self, through: Store | None = None) -> None:
+        """Drop out (timed out, closed, leaving): delete every key this node still has
+        (``through`` another client of the store: this node's own may be busy)."""
+        self._delete(self._owned + self._stale + self._garbage, through)
         self._owned, self._stale, self._garbage = [], [], []
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, keys: list[str], through: Store | None = None) -> None:
+        store = through or self._store
         for key in keys:
-            self._store.delete_key(key)
+            store.delete_key(key)
 
 
 class SideClient:

@@ -18,9 +18,9 @@ id: ``encode(rid, *args)`` is called with the lock held, once the id is drawn.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -31,7 +31,7 @@ from ..errors import SessionExpiredError, StoreError
 from ..kv import protocol as P
 from . import _tcp_errors as E
 from ._keepalive import KEEPALIVE
-from ._tcp_handshake import HANDSHAKE_TIMEOUT, handshake
+from ._tcp_handshake import HANDSHAKE_TIMEOUT, handshake, set_reply_timeout
 from ._tcp_pipeline import MAX_UNACKED_BYTES, MAX_UNACKED_WRITES, Pipeline
 
 log = logging.getLogger("rdzv.store.tcp")
@@ -40,22 +40,10 @@ Encoder = Callable[..., bytes]
 """A request encoder: ``encode(rid, *args)`` is the request's frame."""
 
 _MAX_BACKOFF = 1.0
+CLOSE_PATIENCE = 0.1
+"""Seconds close() waits for a request of another thread to finish before it interrupts it
+(a blocking wait or watch holds the connection for up to a keepalive period)."""
 _monotonic = time.monotonic
-_SO_RCVTIMEO: int | None = getattr(socket, "SO_RCVTIMEO", None)
-_SO_SNDTIMEO: int | None = getattr(socket, "SO_SNDTIMEO", None)
-
-
-def _set_reply_timeout(sock: socket.socket, seconds: float) -> None:
-    if _SO_RCVTIMEO is not None and _SO_SNDTIMEO is not None:
-        sec = int(seconds)
-        tv = struct.pack("@ll", sec, int((seconds - sec) * 1e6))
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVTIMEO, tv)
-            sock.setsockopt(socket.SOL_SOCKET, _SO_SNDTIMEO, tv)
-            return
-        except OSError:  # pragma: no cover - platform without timeval socket timeouts
-            pass
-    sock.settimeout(seconds)
 
 
 class StoreConnection:
@@ -90,6 +78,8 @@ class StoreConnection:
         self._had_ephemeral = False
         self._pipe = Pipeline(self.addr)
         self._closed = False
+        self._interrupted = False
+        """close() cut the connection under another thread's request, which then fails."""
         self._pending_error: BaseException | None = None
         """An error of the keepalive's ping (the session expired) for the next call to raise."""
         self._now = clock.monotonic
@@ -247,9 +237,17 @@ class StoreConnection:
         """End the session (its ephemeral keys go at once) and close the connection.
 
         Pipelined writes not yet acknowledged are confirmed first (reconnecting for at most
-        5 s); if that fails it is logged, not raised.
+        5 s); if that fails it is logged, not raised. A request of another thread still under
+        way after :data:`CLOSE_PATIENCE` (a blocking wait) is cut short: it raises StoreError.
         """
-        with self._lock:
+        if not self._lock.acquire(timeout=CLOSE_PATIENCE):
+            self._interrupted = True  # (the server ends the session with its connection)
+            sock = self._sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            self._lock.acquire()
+        try:
             if not self._closed:
                 if self._pipe.unacked or self._pipe.write_error is not None:
                     self._flush_before_close()
@@ -258,13 +256,15 @@ class StoreConnection:
                 if sock is not None:
                     try:
                         rid = self._rid = self._rid + 1
-                        _set_reply_timeout(sock, 5.0)
+                        set_reply_timeout(sock, 5.0)
                         sock.sendall(P.encode_close_session(rid))
                         self._pipe.read(sock, rid)
                     except (OSError, StoreError):
                         pass
                     self._disconnect()
                 self._close_stale()
+        finally:
+            self._lock.release()
         KEEPALIVE.unregister(self)
 
     def error(self, status: int, payload: bytes, what: str, key: str | None) -> StoreError:
@@ -364,7 +364,7 @@ class StoreConnection:
         while True:
             sock = self._sock
             if sock is None:
-                if self._closed:
+                if self._closed or self._interrupted:
                     raise StoreError(f"this TCPStore ({self.addr}) is closed")
                 if deadline is None:
                     deadline = _monotonic() + self.timeout
@@ -458,7 +458,7 @@ class StoreConnection:
         writes (after a session expired, only those safe to apply again) and take the session.
         Raises SessionExpiredError (once connected) if the expiry lost ephemeral keys or writes."""
         sock.settimeout(None)
-        _set_reply_timeout(sock, self._reply_timeout)
+        set_reply_timeout(sock, self._reply_timeout)
         pipe, addr = self._pipe, self.addr
         old = self.session
         expired = bool(old) and not welcome.resumed

@@ -5,12 +5,14 @@ it offers the session to resume (its id and resume token), proves the shared sec
 the server's proof of it, and returns what the server's WELCOME said (the session this client
 is now in, and whether it is the one offered). What follows from a new session is the
 connection's (which writes it sends again, SessionExpiredError); this module holds no state.
+:func:`set_reply_timeout` bounds the socket's later sends and receives.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 
 from ..errors import StoreAuthenticationError, StoreProtocolError
@@ -19,6 +21,23 @@ from ._tcp_errors import ConnectionLost
 
 HANDSHAKE_TIMEOUT = 10.0
 _monotonic = time.monotonic
+_SO_RCVTIMEO: int | None = getattr(socket, "SO_RCVTIMEO", None)
+_SO_SNDTIMEO: int | None = getattr(socket, "SO_SNDTIMEO", None)
+
+
+def set_reply_timeout(sock: socket.socket, seconds: float) -> None:
+    """Bound each send and receive on the connected ``sock`` by ``seconds`` (the socket stays
+    blocking: a timeout is an OSError)."""
+    if _SO_RCVTIMEO is not None and _SO_SNDTIMEO is not None:
+        sec = int(seconds)
+        tv = struct.pack("@ll", sec, int((seconds - sec) * 1e6))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, _SO_SNDTIMEO, tv)
+            return
+        except OSError:  # pragma: no cover - platform without timeval socket timeouts
+            pass
+    sock.settimeout(seconds)
 
 
 def handshake(
