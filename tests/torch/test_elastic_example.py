@@ -72,13 +72,15 @@ def test_training_goes_on_through_a_join_and_a_kill(launcher: Launcher, tmp_path
     assert all(start["loss"] < first_loss for start in starts), (first_loss, starts)
     assert entries[-1]["loss"] < first_loss / 4, (first_loss, entries[-1])
     means, current = [], []
-    for i, entry in enumerate(entries):  # the mean loss of each membership phase goes down
+    for i, entry in enumerate(entries):  # the mean loss of each membership phase
         if i and entries[i - 1]["world_size"] != entry["world_size"]:
             means.append(sum(current) / len(current))
             current = []
         current.append(entry["loss"])
     means.append(sum(current) / len(current))
-    assert means == sorted(means, reverse=True), means
+    # goes down, or wobbles once the loss has converged (a restart from scratch would bring
+    # back the first phase's loss)
+    assert all(later < earlier * 1.5 for earlier, later in zip(means, means[1:])), means
     text = first.output()
     assert "starting at step 0 with world size 4" in text
     assert "world size 6 at step" in text and "parameters identical on all ranks" in text
