@@ -126,8 +126,6 @@ class Crew:
 
     def send_plans(self, plans: list[tuple[int, Plan]]) -> None:
         self._entered.clear()
-        if self.group is not None:  # a newcomer's lines carry its rank from its plan on
-            self.group.renumber({lr: plan.rank for lr, plan in plans}, joining_only=True)
         for lr, plan in plans:
             self._link.send(lr, plan)
 

@@ -196,12 +196,11 @@ class WorkerGroup:
         self._events.put(WorkerExited(self.generation, worker.spec.local_rank, returncode,
                                       worker.end_time))
 
-    def renumber(self, ranks: Mapping[int, int], joining_only: bool = False) -> None:
-        """The workers run on in-process in a new group: their global ranks (by local rank),
-        in the prefix of their lines; ``joining_only``: only for workers without one yet."""
+    def renumber(self, ranks: Mapping[int, int]) -> None:
+        """The workers run on in-process in a new group: their global ranks (by local rank)."""
         for local_rank, rank in ranks.items():
             worker = self._workers.get(local_rank)
-            if worker is not None and not (joining_only and worker.spec.global_rank >= 0):
+            if worker is not None:
                 worker.spec = replace(worker.spec, global_rank=rank)
 
     # -- state ----------------------------------------------------------------------------------

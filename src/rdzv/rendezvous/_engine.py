@@ -297,9 +297,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if not (self._lock.locked() and self._side.opener is not None
                     and self._on_shutdown is not None):
                 self._keys_held.leave(self._query())
-            # (else another thread joins a round through this node's client, which serves one
-            # call at a time: the backend's close below cuts its watch short and ends its
-            # session, and with it this node's keys, all ephemeral)
+            elif self._side.opened is not None:
+                # Another thread joins a round through this node's client, which serves one call
+                # at a time: the backend's close below cuts its watch short and ends its
+                # session, and with it the keys it wrote for the round (ephemeral); the garbage
+                # of earlier rounds (plain keys) goes through the second client, if open (else
+                # it stays with the run's past rounds).
+                self._keys_held.collect(self._side.opened)
             self._member = None
             return True
         except RendezvousError as exc:

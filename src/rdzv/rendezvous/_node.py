@@ -89,9 +89,9 @@ class KeyLedger:
         """The session that owned the keys expired: the store dropped its ephemeral keys."""
         self._owned, self._stale = [], []
 
-    def collect(self) -> None:
-        """Delete the garbage."""
-        self._delete(self._garbage)
+    def collect(self, through: Store | None = None) -> None:
+        """Delete the garbage (``through`` another client of the store)."""
+        self._delete(self._garbage, through)
         self._garbage = []
 
     def leave(self, through: Store | None = None) -> None:

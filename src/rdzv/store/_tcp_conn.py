@@ -238,7 +238,9 @@ class StoreConnection:
 
         Pipelined writes not yet acknowledged are confirmed first (reconnecting for at most
         5 s); if that fails it is logged, not raised. A request of another thread still under
-        way after :data:`CLOSE_PATIENCE` (a blocking wait) is cut short: it raises StoreError.
+        way after :data:`CLOSE_PATIENCE` (a blocking wait) is cut short: it raises StoreError,
+        and the server ends the session with the connection (writes still unconfirmed then are
+        logged as possibly lost).
         """
         if not self._lock.acquire(timeout=CLOSE_PATIENCE):
             self._interrupted = True  # (the server ends the session with its connection)
@@ -363,9 +365,9 @@ class StoreConnection:
         sent_in = self.session if reason is not None else None  # the session it may have reached
         while True:
             sock = self._sock
+            if self._interrupted or (sock is None and self._closed):
+                raise StoreError(f"this TCPStore ({self.addr}) is closed")
             if sock is None:
-                if self._closed or self._interrupted:
-                    raise StoreError(f"this TCPStore ({self.addr}) is closed")
                 if deadline is None:
                     deadline = _monotonic() + self.timeout
                 if attempts and _monotonic() >= deadline:
@@ -373,6 +375,8 @@ class StoreConnection:
                 self._connect(deadline, reason)
                 sock = self._sock
                 assert sock is not None
+                if self._interrupted:  # close() came while this thread reconnected
+                    raise StoreError(f"this TCPStore ({self.addr}) is closed")
                 if sent_in not in (None, self.session) and not P.resendable_after_expiry(frame):
                     raise E.expired_in_flight(self.addr, sent_in, self.session, frame)
             attempts += 1
@@ -421,7 +425,7 @@ class StoreConnection:
         addr = self.addr
         patience = Patience(log, f"cannot reach the store server at {addr} yet", deadline,
                             clock=_monotonic)
-        while True:
+        while not self._interrupted:
             remaining = deadline - _monotonic()
             try:
                 sock = socket.create_connection(
@@ -452,6 +456,7 @@ class StoreConnection:
                 raise E.unreachable(addr, lost, last, self.timeout) from last
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, _MAX_BACKOFF)
+        raise StoreError(f"this TCPStore ({addr}) is closed")  # by close(), from another thread
 
     def _adopt(self, sock: socket.socket, welcome: P.Welcome) -> None:
         """Carry on over ``sock``, whose handshake ended in ``welcome``: resend the unconfirmed

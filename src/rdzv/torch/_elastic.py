@@ -77,9 +77,9 @@ def _shards_of(model: torch.nn.Module | None,
     None for a replicated model. DTensor is looked up, not imported: a program whose model holds
     DTensors has imported it, and importing it with DCP costs every other worker's start
     half a second."""
-    tensor = sys.modules.get("torch.distributed.tensor")
-    if model is None or tensor is None or not any(
-            isinstance(p, tensor.DTensor) for p in model.parameters()):
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if model is None or dtensor is None or not any(
+            isinstance(p, dtensor) for p in model.parameters()):
         return None
     from ._sharded import Sharded  # (deferred, as above)
 
