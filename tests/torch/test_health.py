@@ -28,6 +28,12 @@ from test_overlaps import agent_args, example, serve
 HANG_TIMEOUT = 3.0
 
 
+def with_hang_timeout(args: list[str], timeout: float) -> list[str]:
+    """An agent's ``args`` with ``--hang-timeout timeout`` among its own flags."""
+    at = args.index("--max-restarts")
+    return [*args[:at], "--hang-timeout", str(timeout), *args[at:]]
+
+
 def rdzv_status(port: int) -> str:
     return subprocess.run([PYTHON, "-m", "rdzv", "status", f"tcp://127.0.0.1:{port}/job"],
                           capture_output=True, text=True, timeout=60).stdout
@@ -55,16 +61,13 @@ def test_a_worker_hung_in_its_own_code_is_ended_and_the_others_go_on(
     # import has taken 13 s on a loaded machine, and the healthy node alone trains fast)
     args = agent_args(tmp_path, port, example(tmp_path, 300))
 
-    def with_hang_timeout(timeout: float) -> list[str]:
-        at = args.index("--max-restarts")
-        return [*args[:at], "--hang-timeout", str(timeout), *args[at:]]
-
     # Both workers stop at step 40 and each agent asks its own after its timeout from the
     # worker's last report (every 0.5 s: the two may be 0.5 s apart). The healthy node's shorter
     # timeout makes it ask first, so it is seen to wait (its own hang would be declared only at
     # twice its timeout, 4.8 s) before the hung worker is ended (3 s).
-    healthy = launcher.start(with_hang_timeout(HANG_TIMEOUT * 0.8))
-    hung = launcher.start(with_hang_timeout(HANG_TIMEOUT), env={"RDZV_EXAMPLE_HANG_AT": "40"})
+    healthy = launcher.start(with_hang_timeout(args, HANG_TIMEOUT * 0.8))
+    hung = launcher.start(with_hang_timeout(args, HANG_TIMEOUT),
+                          env={"RDZV_EXAMPLE_HANG_AT": "40"})
     codes = [node.wait(PHASE_TIMEOUT * 2) for node in (healthy, hung)]
     outputs = healthy.output()[-6000:] + hung.output()[-12000:]
     assert codes == [0, 0], outputs
@@ -93,9 +96,7 @@ def test_work_outside_the_steps_is_no_hang(launcher: Launcher, tmp_path: Path) -
     args = agent_args(tmp_path, serve(launcher), [
         WORKER, "--steps", "60", "--step-sleep", "0.03", "--outside-at", "20",
         "--outside-seconds", str(2 * HANG_TIMEOUT + 1)])
-    args[args.index("--max-restarts"):args.index("--max-restarts")] = [
-        "--hang-timeout", str(HANG_TIMEOUT)]
-    nodes = [launcher.start(args) for _ in range(2)]
+    nodes = [launcher.start(with_hang_timeout(args, HANG_TIMEOUT)) for _ in range(2)]
     codes = [node.wait(PHASE_TIMEOUT) for node in nodes]
     outputs = "".join(node.output()[-4000:] for node in nodes)
     assert codes == [0, 0] and "done: 60 steps" in outputs, outputs

@@ -294,15 +294,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 store.set_timeout(min(self._close_timeout, store.timeout.total_seconds()))
         self.history.close(min(2.0, self._close_timeout))
         try:
-            if not (self._lock.locked() and self._side.opener is not None
-                    and self._on_shutdown is not None):
+            # Another thread joining a round through this node's client, which serves one call
+            # at a time, holds it in its watch: the backend's close below cuts the watch short
+            # and ends the session, and with it the keys written for the round (ephemeral); the
+            # garbage of earlier rounds (plain keys) goes through the second client, if open.
+            busy = (self._lock.locked() and self._side.opener is not None
+                    and self._on_shutdown is not None)
+            if not busy:
                 self._keys_held.leave(self._query())
             elif self._side.opened is not None:
-                # Another thread joins a round through this node's client, which serves one call
-                # at a time: the backend's close below cuts its watch short and ends its
-                # session, and with it the keys it wrote for the round (ephemeral); the garbage
-                # of earlier rounds (plain keys) goes through the second client, if open (else
-                # it stays with the run's past rounds).
                 self._keys_held.collect(self._side.opened)
             self._member = None
             return True

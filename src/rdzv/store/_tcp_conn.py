@@ -366,7 +366,7 @@ class StoreConnection:
         while True:
             sock = self._sock
             if self._interrupted or (sock is None and self._closed):
-                raise StoreError(f"this TCPStore ({self.addr}) is closed")
+                raise E.closed(self.addr)
             if sock is None:
                 if deadline is None:
                     deadline = _monotonic() + self.timeout
@@ -376,7 +376,7 @@ class StoreConnection:
                 sock = self._sock
                 assert sock is not None
                 if self._interrupted:  # close() came while this thread reconnected
-                    raise StoreError(f"this TCPStore ({self.addr}) is closed")
+                    raise E.closed(self.addr)
                 if sent_in not in (None, self.session) and not P.resendable_after_expiry(frame):
                     raise E.expired_in_flight(self.addr, sent_in, self.session, frame)
             attempts += 1
@@ -456,7 +456,7 @@ class StoreConnection:
                 raise E.unreachable(addr, lost, last, self.timeout) from last
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, _MAX_BACKOFF)
-        raise StoreError(f"this TCPStore ({addr}) is closed")  # by close(), from another thread
+        raise E.closed(addr)  # by close(), from another thread
 
     def _adopt(self, sock: socket.socket, welcome: P.Welcome) -> None:
         """Carry on over ``sock``, whose handshake ended in ``welcome``: resend the unconfirmed

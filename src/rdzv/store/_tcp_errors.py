@@ -67,6 +67,11 @@ def earlier_write_failed(err: StoreError, what: str, key: str | None) -> StoreEr
     )
 
 
+def closed(addr: str) -> StoreError:
+    """A call on a client that was closed (or is being closed by another thread)."""
+    return StoreError(f"this TCPStore ({addr}) is closed")
+
+
 def closed_by_server(addr: str, payload: bytes) -> StoreProtocolError:
     """The server's last word (an error answer to request 0) before closing the connection."""
     _, msg = P.decode_error(payload)
