@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -71,6 +72,23 @@ def pytest_configure(config: pytest.Config) -> None:
             "CI=true but the test dependencies are missing: " + "; ".join(missing)
             + ". Run the tests through scripts/test, which installs them."
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every program the tests start (agents, torchrun, workers, servers) writes its temporary
+    files (worker logs, agent channels, torch's run dirs) under pytest's base directory, which
+    pytest rotates, not into /tmp, where SIGKILLed agents' channels would pile up run after run."""
+    path = tmp_path_factory.getbasetemp() / "tmp"
+    path.mkdir(exist_ok=True)
+    previous = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(path), str(path)
+    yield
+    if previous[0] is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = previous[0]
+    tempfile.tempdir = previous[1]
 
 
 @pytest.fixture
