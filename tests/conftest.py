@@ -75,20 +75,28 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _temporary_files_in_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Every program the tests start (agents, torchrun, workers, servers) writes its temporary
-    files (worker logs, agent channels, torch's run dirs) under pytest's base directory, which
-    pytest rotates, not into /tmp, where SIGKILLed agents' channels would pile up run after run."""
-    path = tmp_path_factory.getbasetemp() / "tmp"
-    path.mkdir(exist_ok=True)
-    previous = os.environ.get("TMPDIR"), tempfile.tempdir
+def _programs_started_by_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The environment of every program the tests start (agents, torchrun, workers, servers):
+
+    - their temporary files (worker logs, agent channels, torch's run dirs) go under pytest's base
+      directory, which pytest rotates, not into /tmp, where SIGKILLed agents' channels would pile
+      up run after run;
+    - one OpenMP thread per process: the tests run several nodes on one small machine, where a
+      worker per node that sizes its thread pool for every core (as it should on a node of its
+      own) has its idle threads spin against the other nodes' (half the CPU of a training test).
+    """
+    path = tmp_path_factory.mktemp("programs", numbered=False)
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "OMP_NUM_THREADS")}
+    saved_tempdir = tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = str(path), str(path)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     yield
-    if previous[0] is None:
-        del os.environ["TMPDIR"]
-    else:
-        os.environ["TMPDIR"] = previous[0]
-    tempfile.tempdir = previous[1]
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = saved_tempdir
 
 
 @pytest.fixture
