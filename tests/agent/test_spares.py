@@ -74,3 +74,32 @@ def test_a_spare_asked_to_leave_goes_at_once(agents: Any, rdzv: Any) -> None:
     assert len(worker_records(str(rdzv.out))) == 1  # the job was not disturbed
     rdzv.stop()
     assert member.wait() == 0, member.output()[-4000:]
+
+
+def test_the_node_serving_the_store_stays_until_its_spare_has_seen_the_job_end(
+        agents: Any, rdzv: Any) -> None:
+    """The job ends while its spare cannot look (SIGSTOPped, as a loaded machine may hold it
+    off the CPU): the node serving the store stays until the spare has seen the run closed and
+    left. It used to exit at once: the spare, its store gone, retried it for the whole read
+    timeout (60 s), then spent the close timeout (30 s) trying to leave it."""
+    if rdzv.backend != "tcp":
+        pytest.skip("only the tcp backend has a node that serves the store")
+    args = rdzv.until_stopped("1:1", 1)
+    member = rdzv.start(agents, 1, args)[0]
+    rdzv.running(1)
+    spare = agents.start(args)
+    wait_for(lambda: "waiting as a spare" in spare.output(), 120, "the spare")
+    spare.signal(signal.SIGSTOP)
+    try:
+        rdzv.stop()
+        wait_for(lambda: "worker(s) of this node succeeded" in member.output(), 60,
+                 "the job's end")
+        time.sleep(2.0)  # the window in which the store's node used to exit
+    finally:
+        spare.signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    assert spare.wait() == 0, spare.output()
+    assert time.monotonic() - resumed < 15, spare.output()
+    assert "the job finished without needing this spare node" in spare.output()
+    assert "cannot reach the store server" not in spare.output(), spare.output()
+    assert member.wait() == 0, member.output()[-4000:]

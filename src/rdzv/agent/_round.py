@@ -17,6 +17,7 @@ from ..rendezvous import (
     AGENT_DONE,
     AGENT_SEEN,
     PortReservation,
+    RendezvousHandler,
     RendezvousInfo,
 )
 from ..store import Store
@@ -83,3 +84,23 @@ def wait_until_others_left(info: RendezvousInfo, timeout: float) -> None:
             logger.warning("not every node left within %.3g s", timeout)
             return
         store.watch(AGENT_ALIVE, since, remaining)
+
+
+
+def wait_until_none_waits(info: RendezvousInfo, handler: RendezvousHandler,
+                          timeout: float) -> None:
+    """On the node serving the store, once the run is closed: wait (at most ``timeout`` s) until
+    no node waits for a next round. A spare learns of the close in the store and leaves; a
+    store gone before it looked would hold it for the store's whole read timeout, then leave
+    it unsure whether the job had ended."""
+    if not hosts_store(info.store):
+        return
+    deadline, since = time.monotonic() + timeout, 0
+    while True:
+        seen = handler.membership(since, max(0.0, deadline - time.monotonic()))
+        if seen is None or seen[0].waiting == 0:  # (None: a backend without counts)
+            return
+        if time.monotonic() >= deadline:
+            logger.warning("a node still waits for a round %.3g s after the run closed", timeout)
+            return
+        since = seen[1]
