@@ -48,6 +48,31 @@ else:
 """
 
 
+CREATING = r"""
+import socket, threading
+from rdzv.torch._group import agent_link, group_sockets
+link = agent_link()
+listener = socket.create_server(("127.0.0.1", 0))
+with group_sockets.recording():  # a group being created, as init_process_group does it
+    first = socket.create_connection(listener.getsockname())
+    first_end, _ = listener.accept()
+    print("ready", flush=True)
+    first.recv(1)  # the abort shuts it down
+    # torch's store client connects again and waits there for peers that went on without it
+    again = socket.create_connection(listener.getsockname())
+    again_end, _ = listener.accept()
+    again.recv(1)
+print("creation failed", flush=True)  # torch raises; the worker waits for its next plan
+watch = [t for t in threading.enumerate() if t.name == "rdzv-abort-watch"]
+link_wait = threading.Thread(target=link.wait, daemon=True)
+link_wait.start()
+for thread in watch:
+    thread.join()
+print("watched", flush=True)
+link_wait.join()
+"""
+
+
 TOLD_TO_LEAVE = r"""
 import signal
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as in a collective: no handler runs
@@ -106,6 +131,30 @@ def test_a_worker_waiting_for_its_plan_is_not_ended_by_an_abort() -> None:
         worker.kill()
         worker.wait(timeout=10)
         server.close()
+
+
+def test_a_group_creation_that_reconnected_after_the_abort_is_cut_not_the_worker() -> None:
+    """An abort during a group's creation whose store client reconnects after it (as torch's
+    does) and waits for peers that went on: past the grace the sockets it opened since are shut
+    down too, the creation fails, and the worker waits for its next plan. It used to end
+    itself, and its agent restarted it (seen under load: a recovery overlapping another
+    node's failure to enter the new group)."""
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
+    worker = start("", server, CREATING)
+    try:
+        assert isinstance(seen.get(timeout=10)[1], Hello)
+        assert server.send(0, Abort())
+        assert worker.stdout is not None
+        assert worker.stdout.readline() == "creation failed\n", worker.communicate(timeout=10)
+        assert worker.stdout.readline() == "watched\n", worker.communicate(timeout=10)
+        assert worker.poll() is None, worker.communicate(timeout=10)
+    finally:
+        worker.kill()
+        _, err = worker.communicate(timeout=10)
+        server.close()
+    assert f"still waits {ABORT_GRACE:.1f} s after the abort, on 2 socket(s) it opened" in err
+    assert "ends itself" not in err, err
 
 
 def test_a_worker_told_to_leave_ends_quietly_when_its_agent_ended_first() -> None:

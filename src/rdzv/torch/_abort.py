@@ -91,18 +91,31 @@ class GroupSockets:
         and of any group being created. Returns how many sockets were shut down."""
         with self._lock:
             self.aborts += 1
-            targets = dict(self._tracked)
-            if self._creating:
-                current = _sockets()
-                for before in self._creating.values():
-                    targets.update({fd: link for fd, link in current.items()
-                                    if before.get(fd) != link})
+            targets = {**self._tracked, **self._opened_by_creations()}
         if dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 dist.group.WORLD._get_backend(torch.device("cuda")).abort()  # type: ignore[union-attr]
             except (RuntimeError, AttributeError) as exc:
                 logger.warning("cannot abort the NCCL communicators: %s", exc)
         return self._shut_down(targets)
+
+    def cut_creations(self) -> int:
+        """Shut down the sockets opened so far by the group creations under way (not an abort:
+        nothing else is touched, the abort count stays): a creation that outlived an abort
+        reconnected (torch's store client retries a connection it lost) and waits on peers
+        that went on without it. Returns how many sockets were shut down."""
+        with self._lock:
+            targets = self._opened_by_creations()
+        return self._shut_down(targets)
+
+    def _opened_by_creations(self) -> dict[int, str]:
+        """(Lock held.) The sockets that appeared since each creation under way began."""
+        if not self._creating:
+            return {}
+        current, opened = _sockets(), {}
+        for before in self._creating.values():
+            opened.update({fd: link for fd, link in current.items() if before.get(fd) != link})
+        return opened
 
     def close_current(self) -> int:
         """Shut down the current group's sockets as this worker leaves it for a new one (not an

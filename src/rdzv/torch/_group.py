@@ -158,11 +158,14 @@ class AgentLink:
                          name="rdzv-abort-watch").start()
 
     def _end_if_stuck(self, moves: int, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            if self._moves != moves or self._waiting:
+        if not self._still_stuck(moves, grace):
+            return
+        cut = group_sockets.cut_creations()
+        if cut:
+            logger.warning("the group being created still waits %.1f s after the abort, on %d "
+                           "socket(s) it opened since: shutting them down too", grace, cut)
+            if not self._still_stuck(moves, grace):
                 return
-            time.sleep(0.02)
         logger.error("the aborted process group's collective still waits %.1f s after the "
                      "abort (gloo may wait on a closed peer until the group's timeout): this "
                      "worker ends itself; its agent restarts it alone and it rejoins from its "
@@ -171,6 +174,16 @@ class AgentLink:
         faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where it waits
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _still_stuck(self, moves: int, grace: float) -> bool:
+        """Whether the training thread neither took a plan nor waits for one (it is still in
+        the aborted group's collective, or creating one) ``grace`` seconds from now."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self._moves != moves or self._waiting:
+                return False
+            time.sleep(0.02)
+        return True
 
     # -- plans (training thread) --------------------------------------------------------------
     def peek(self) -> Plan | None:
