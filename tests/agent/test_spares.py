@@ -16,6 +16,19 @@ pytestmark = pytest.mark.timeout(600)
 JOB_SECONDS = 8.0
 
 
+def a_member_and_its_spare(agents: Any, rdzv: Any, ttl: int = 10) -> tuple[Any, Any]:
+    """A job of one node at its maximum (workers that run until ``rdzv.stop()``) and a second
+    node waiting as its spare; their store sessions last ``ttl`` s without a heartbeat."""
+    args = rdzv.until_stopped("1:1", 1)
+    conf = args.index("--rdzv-conf") + 1
+    args[conf] = args[conf].replace("heartbeat_misses=10", f"heartbeat_misses={ttl}")
+    member = rdzv.start(agents, 1, args)[0]
+    rdzv.running(1)
+    spare = agents.start(args)
+    wait_for(lambda: "waiting as a spare" in spare.output(), 120, "the spare")
+    return member, spare
+
+
 def test_three_agents_with_two_places_finish_an_8_s_job_in_about_8_s(agents: Any,
                                                                      rdzv: Any) -> None:
     args = rdzv.args("1:2", 1) + rdzv.worker("--sleep", str(JOB_SECONDS))
@@ -61,11 +74,7 @@ def test_a_spare_asked_to_leave_goes_at_once(agents: Any, rdzv: Any) -> None:
     """SIGTERM to a spare (a scale-in, a preemption) while it watches the store for a place:
     it leaves at once, saying so, and its keys go with its session. Its store client's close
     cuts the watch short; it used to wait for it and then say that the store did not answer."""
-    args = rdzv.until_stopped("1:1", 1)
-    member = rdzv.start(agents, 1, args)[0]
-    rdzv.running(1)
-    spare = agents.start(args)
-    wait_for(lambda: "waiting as a spare" in spare.output(), 120, "the spare")
+    member, spare = a_member_and_its_spare(agents, rdzv)
     spare.signal(signal.SIGTERM)
     assert spare.wait() == 128 + signal.SIGTERM, spare.output()
     said = spare.output()
@@ -84,11 +93,7 @@ def test_the_node_serving_the_store_stays_until_its_spare_has_seen_the_job_end(
     timeout (60 s), then spent the close timeout (30 s) trying to leave it."""
     if rdzv.backend != "tcp":
         pytest.skip("only the tcp backend has a node that serves the store")
-    args = rdzv.until_stopped("1:1", 1)
-    member = rdzv.start(agents, 1, args)[0]
-    rdzv.running(1)
-    spare = agents.start(args)
-    wait_for(lambda: "waiting as a spare" in spare.output(), 120, "the spare")
+    member, spare = a_member_and_its_spare(agents, rdzv, ttl=120)  # (outlives the stop)
     spare.signal(signal.SIGSTOP)
     try:
         rdzv.stop()

@@ -70,7 +70,6 @@ from ._round import (
     mark_alive,
     mark_done,
     reserve_workers_port,
-    wait_until_none_waits,
     wait_until_others_left,
 )
 from ._round_io import (
@@ -455,10 +454,8 @@ class NodeRun:
         self._close("workers_succeeded")
         if self.info is not None:
             try:
-                deadline = self.clock.monotonic() + LEAVE_TIMEOUT
-                wait_until_others_left(self.info, LEAVE_TIMEOUT)
-                wait_until_none_waits(self.info, self.handler,
-                                      max(0.0, deadline - self.clock.monotonic()))
+                self.watches.stop_round()  # (its membership watch would share the client)
+                wait_until_others_left(self.info, self.handler, LEAVE_TIMEOUT)
             except RendezvousError as exc:
                 logger.warning("cannot wait for the other nodes to leave: %s", exc)
         self.agent.say("every node has finished; this node's workers succeeded")

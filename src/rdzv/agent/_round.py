@@ -68,39 +68,37 @@ def hosts_store(store: Store) -> bool:
     return getattr(store, "server", None) is not None
 
 
-def wait_until_others_left(info: RendezvousInfo, timeout: float) -> None:
-    """On the node serving the store: wait (at most ``timeout`` s) until the sessions of the
-    round's other nodes have ended, since they still use the store until they leave."""
+def wait_until_others_left(info: RendezvousInfo, handler: RendezvousHandler,
+                           timeout: float) -> None:
+    """On the node serving the store: wait (at most ``timeout`` s in all) until the sessions of
+    the round's other nodes have ended, since they still use the store until they leave; then,
+    if the run is closed, until no node waits for a next round: a spare learns of the close in
+    the store and leaves, and a store gone before it looked would hold it for the store's whole
+    read timeout, then leave it unsure whether the job had ended. Real waits on the store: the
+    system's clock."""
     store = info.store
     if not hosts_store(store):
         return
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
         since = store.revision(AGENT_ALIVE)
         if store.count_keys(AGENT_ALIVE) <= 1:
-            return
+            break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             logger.warning("not every node left within %.3g s", timeout)
             return
         store.watch(AGENT_ALIVE, since, remaining)
-
-
-
-def wait_until_none_waits(info: RendezvousInfo, handler: RendezvousHandler,
-                          timeout: float) -> None:
-    """On the node serving the store, once the run is closed: wait (at most ``timeout`` s) until
-    no node waits for a next round. A spare learns of the close in the store and leaves; a
-    store gone before it looked would hold it for the store's whole read timeout, then leave
-    it unsure whether the job had ended."""
-    if not hosts_store(info.store):
+    if not handler.is_closed():
         return
-    deadline, since = time.monotonic() + timeout, 0
+    since = 0
     while True:
         seen = handler.membership(since, max(0.0, deadline - time.monotonic()))
         if seen is None or seen[0].waiting == 0:  # (None: a backend without counts)
             return
         if time.monotonic() >= deadline:
-            logger.warning("a node still waits for a round %.3g s after the run closed", timeout)
+            logger.warning("a node still waits for a round of the closed run after %.3g s; "
+                           "the store goes anyway", time.monotonic() - started)
             return
         since = seen[1]

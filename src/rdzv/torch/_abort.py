@@ -55,6 +55,8 @@ class GroupSockets:
         self._tracked: dict[int, str] = {}
         self._creating: dict[int, dict[int, str]] = {}
         self._excluded: set[str] = set()
+        self._aborted: set[str] = set()
+        """The sockets the last abort shut down."""
         self.aborts = 0
         """How many aborts so far: a creation that began before the last one must not go on."""
 
@@ -92,6 +94,7 @@ class GroupSockets:
         with self._lock:
             self.aborts += 1
             targets = {**self._tracked, **self._opened_by_creations()}
+            self._aborted = set(targets.values())
         if dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 dist.group.WORLD._get_backend(torch.device("cuda")).abort()  # type: ignore[union-attr]
@@ -100,12 +103,13 @@ class GroupSockets:
         return self._shut_down(targets)
 
     def cut_creations(self) -> int:
-        """Shut down the sockets opened so far by the group creations under way (not an abort:
-        nothing else is touched, the abort count stays): a creation that outlived an abort
-        reconnected (torch's store client retries a connection it lost) and waits on peers
-        that went on without it. Returns how many sockets were shut down."""
+        """Shut down the sockets that the group creations under way opened since the last abort
+        (not an abort: nothing else is touched, the abort count stays): a creation that
+        outlived an abort reconnected (torch's store client retries a connection it lost) and
+        waits on peers that went on without it. Returns how many sockets were shut down."""
         with self._lock:
-            targets = self._opened_by_creations()
+            targets = {fd: link for fd, link in self._opened_by_creations().items()
+                       if link not in self._aborted}
         return self._shut_down(targets)
 
     def _opened_by_creations(self) -> dict[int, str]:

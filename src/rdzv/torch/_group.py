@@ -169,7 +169,7 @@ class AgentLink:
         logger.error("the aborted process group's collective still waits %.1f s after the "
                      "abort (gloo may wait on a closed peer until the group's timeout): this "
                      "worker ends itself; its agent restarts it alone and it rejoins from its "
-                     "peers", grace)
+                     "peers", 2 * grace if cut else grace)
         sys.stdout.flush()
         faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where it waits
         sys.stderr.flush()

@@ -165,7 +165,7 @@ class TorchRendezvousHandler(torch_api.RendezvousHandler):
     def shutdown(self) -> bool:
         if self._round is not None:
             try:
-                wait_until_others_left(self._round, LEAVE_TIMEOUT)
+                wait_until_others_left(self._round, self._handler, LEAVE_TIMEOUT)
             except errors.RendezvousError as exc:
                 logger.warning("cannot wait for the other nodes to leave: %s", exc)
         return self._call(self._handler.shutdown)
