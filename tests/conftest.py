@@ -85,18 +85,13 @@ def _programs_started_by_tests(tmp_path_factory: pytest.TempPathFactory) -> Iter
       worker per node that sizes its thread pool for every core (as it should on a node of its
       own) has its idle threads spin against the other nodes' (half the CPU of a training test).
     """
-    path = tmp_path_factory.mktemp("programs", numbered=False)
-    saved = {name: os.environ.get(name) for name in ("TMPDIR", "OMP_NUM_THREADS")}
-    saved_tempdir = tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = str(path), str(path)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    tempfile.tempdir = saved_tempdir
+    path = str(tmp_path_factory.mktemp("programs", numbered=False))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", path)
+        patch.setattr(tempfile, "tempdir", path)  # (this process's own, read once and kept)
+        if "OMP_NUM_THREADS" not in os.environ:  # (a developer's own choice stands)
+            patch.setenv("OMP_NUM_THREADS", "1")
+        yield
 
 
 @pytest.fixture
