@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from rdzv._channel import ENV_CHANNEL, ChannelServer
-from rdzv._messages import Abort, Hello
+from rdzv._messages import Abort, Hello, Stop
 from rdzv.torch._group import ABORT_GRACE
 
 WORKER = r"""
@@ -83,6 +83,14 @@ with link._cond:  # the agent's end is seen first
     link._cond.wait_for(lambda: link._gone, timeout=30)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the collective fails: it runs now
 link.wait()  # the step failed: the worker waits for its next plan
+"""
+
+
+STOPPED = r"""
+from rdzv.torch._group import agent_link
+link = agent_link()
+print("ready", flush=True)
+link.wait()  # a step failed: the worker waits for its next plan
 """
 
 
@@ -168,6 +176,27 @@ def test_a_worker_told_to_leave_ends_quietly_when_its_agent_ended_first() -> Non
         assert isinstance(seen.get(timeout=10)[1], Hello)
         worker.send_signal(signal.SIGTERM)  # pending until the script unblocks it
         server.close()  # its agent ends
+        code = worker.wait(timeout=30)
+        _, err = worker.communicate(timeout=10)
+        assert code == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err, err
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+        server.close()
+
+
+def test_a_worker_its_agent_stops_ends_quietly_when_the_agent_hangs_up_first() -> None:
+    """The agent stops its workers: it says Stop on the channel, hangs up, then signals. A
+    worker waiting for its plan sees the agent's end before the signal comes: it ends as the
+    SIGTERM would, not with a traceback about its agent (seen once in a full run)."""
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
+    worker = start("", server, STOPPED)
+    try:
+        assert isinstance(seen.get(timeout=10)[1], Hello)
+        assert server.send(0, Stop())
+        server.forget()  # hung up; no signal follows here
         code = worker.wait(timeout=30)
         _, err = worker.communicate(timeout=10)
         assert code == 128 + signal.SIGTERM, err

@@ -213,9 +213,12 @@ class AgentLink:
                         self._moves += 1
                         return plan, group_sockets.aborts
                     if self._gone:
-                        if self._noticed:  # told to leave by a SIGTERM whose handler ran only
-                            self._on_stop()  # once a collective returned (a handler runs
-                            # between two lines of Python), after the agent's end was seen
+                        # Told to leave by a SIGTERM whose handler ran only once a collective
+                        # returned (a handler runs between two lines of Python), after the
+                        # agent's end was seen; or stopped by its agent, which hung up before
+                        # its SIGTERM came: end as that signal would.
+                        if self._noticed or self._stopping:
+                            self._exit_as_sigterm()
                         raise SwitchError("this worker's rdzv agent is gone")
                     self._cond.wait(WAIT_SLICE)
             finally:
@@ -252,9 +255,13 @@ class AgentLink:
         notice): end now, as SIGTERM's default action would."""
         self._stopping = True
         if self._noticed:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(128 + signal.SIGTERM)
+            self._exit_as_sigterm()
+
+    @staticmethod
+    def _exit_as_sigterm() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
 
 
 def _dump_stacks_on_signal(path: str) -> IO[str] | None:
