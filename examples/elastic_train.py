@@ -25,7 +25,11 @@ Faults to try rdzv's health checks with, set in the environment of one node's ``
 ``RDZV_EXAMPLE_SLOW_FROM``, 0 by default: a slow node, which rdzv flags as a straggler and, with
 ``--replace-stragglers``, replaces when a spare waits);
 ``RDZV_EXAMPLE_HANG_AT=100`` makes its workers hang at step 100 in their own code (rdzv ends
-them after ``--hang-timeout`` and the others go on without them).
+them after ``--hang-timeout`` and the others go on without them);
+``RDZV_EXAMPLE_FINISH_WITH=4:50`` makes the job, at ``--steps``, train on one step at a time (up to
+10 times ``--steps`` in all) until its world size is 4 and its group has not changed for 50 steps (set on
+every node: a test sees a restarted worker or a spare join and train before the end, however long
+its start takes).
 """
 
 from __future__ import annotations
@@ -177,6 +181,8 @@ def main() -> None:
     slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
     slow_from = int(os.environ.get("RDZV_EXAMPLE_SLOW_FROM", "0"))
     hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
+    finish_with, _, finish_after = os.environ.get("RDZV_EXAMPLE_FINISH_WITH", "0").partition(":")
+    changed = [0]  # the step of the last change of world size (every member saw it there)
 
     device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
@@ -200,6 +206,7 @@ def main() -> None:
         a collective, which every rank of the group runs, newcomers included."""
         nonlocal ddp
         ddp = DistributedDataParallel(model, init_sync=False)
+        changed[0] = state.step
         report_check(args, state, parameters_agree(model), "parameters")
 
     rebuild(state)
@@ -242,6 +249,11 @@ def main() -> None:
         return global_loss
 
     global_loss = state.run(train)
+    last = 10 * args.steps  # (every rank sees the same world size and step: they stop together)
+    while global_loss is not None and args.steps < last and (
+            state.world_size < int(finish_with) or state.step - changed[0] < int(finish_after or 0)):
+        args.steps += 1
+        global_loss = state.run(train)
     if state.left:  # this node left the job: the others train on without it
         print(f"left the job after step {state.step}", flush=True)
         exit_now()

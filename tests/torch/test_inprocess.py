@@ -265,7 +265,10 @@ def test_survivors_below_min_nodes_wait_and_resume_in_process(launcher: Launcher
     assert re.search(r"recovered in-process in \d+ ms", text), text
     entries = progress(log)
     assert len(entries) > steps_before and entries[-1]["step"] == 200
-    assert "joined a running job" in returning.output()
+    said = returning.output()
+    # its worker got the survivor's state: as a newcomer to the running group or, started in
+    # the recovery's round (under load, before it connected), before its first step
+    assert "joined a running job" in said or "it received that one" in said, said
 
 
 @pytest.mark.timeout(600)

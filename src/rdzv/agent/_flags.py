@@ -68,7 +68,7 @@ _OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
      "Seconds a worker has after its start to connect to its agent through rdzv.torch (its "
      "Python and torch imports) before it is taken as not using the in-process API, so that a "
      "membership change restarts it: raise it where imports are slow (a shared file system), "
-     "lower it for programs that do not use the API.", "float", 10.0),
+     "lower it for programs that do not use the API.", "float", 30.0),
     ("leave_grace", ("--leave-grace", "--leave_grace"),
      "Seconds a node asked to leave by SIGTERM or SIGINT keeps training while the other "
      "nodes form the next round without it (a second signal stops it at once).", "float", 30.0),
