@@ -145,8 +145,9 @@ def test_a_node_at_half_speed_is_flagged_and_replaced_by_a_spare_in_process(
     shown = re.fullmatch(r"straggler (\d+\.\d)x", marker.text_content() or "")
     assert shown and float(shown[1]) >= 1.5, marker.text_content()  # ~2x the others' work
     assert page.locator("#members .badge.straggler").count() == 1
-    spare = launcher.start(args, env=finish)  # now a spare waits: the straggler is replaced
-    wait_for(lambda: "waiting as a spare" in spare.output(), PHASE_TIMEOUT, "the spare")
+    # now a spare comes: the straggler is replaced (the spare may be taken in before it says
+    # that it waits, the straggler asked to leave as soon as the spare is seen)
+    spare = launcher.start(args, env=finish)
     codes = [node.wait(PHASE_TIMEOUT * 2) for node in (healthy, slow, spare)]
     outputs = "".join(node.output()[-5000:] for node in (healthy, slow, spare))
     assert codes == [0, 0, 0], outputs

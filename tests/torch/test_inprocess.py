@@ -47,11 +47,12 @@ def example_args(tmp_path: Path, log: Path, steps: int, *agent_extra: str) -> li
     ]
 
 
-def start_nodes(launcher: Launcher, args: list[str], count: int) -> list[Any]:
+def start_nodes(launcher: Launcher, args: list[str], count: int,
+                env: dict[str, str] | None = None) -> list[Any]:
     """``count`` agents; the first is up (serving the tcp store) before the others start."""
-    first = launcher.start(args)
+    first = launcher.start(args, env)
     wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    return [first] + [launcher.start(args) for _ in range(count - 1)]
+    return [first] + [launcher.start(args, env) for _ in range(count - 1)]
 
 
 @pytest.mark.timeout(600)
@@ -250,25 +251,26 @@ def test_survivors_below_min_nodes_wait_and_resume_in_process(launcher: Launcher
     log = tmp_path / "progress.jsonl"
     args = example_args(tmp_path, log, 200, "--max-restarts", "0")
     args[args.index("1:3")] = "2:3"
-    first, victim = start_nodes(launcher, args, 2)
+    # Once the returning node is in, the survivor trains on while the newcomer's worker starts;
+    # past its 200 steps, the job trains on until that worker has joined (its start can outlast
+    # the steps left on a loaded machine).
+    finish = {"RDZV_EXAMPLE_FINISH_WITH": "2"}
+    first, victim = start_nodes(launcher, args, 2, finish)
     wait_for(lambda: len(progress(log)) >= 20, PHASE_TIMEOUT, "20 steps at world size 2")
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait(PHASE_TIMEOUT)
     wait_for(lambda: "the survivors wait for enough nodes" in first.output(), PHASE_TIMEOUT,
              "the survivor saying that it waits")
     steps_before = len(progress(log))
-    returning = launcher.start(args)
+    returning = launcher.start(args, env=finish)
     assert [first.wait(PHASE_TIMEOUT), returning.wait(PHASE_TIMEOUT)] == [0, 0], (
         first.output()[-5000:] + returning.output()[-5000:])
     text = first.output()
     assert len(re.findall(r"started 1 worker\(s\)", text)) == 1, text  # the same worker
     assert re.search(r"recovered in-process in \d+ ms", text), text
     entries = progress(log)
-    assert len(entries) > steps_before and entries[-1]["step"] == 200
-    said = returning.output()
-    # its worker got the survivor's state: as a newcomer to the running group or, started in
-    # the recovery's round (under load, before it connected), before its first step
-    assert "joined a running job" in said or "it received that one" in said, said
+    assert len(entries) > steps_before and entries[-1]["step"] >= 200
+    assert "joined a running job" in returning.output(), returning.output()
 
 
 @pytest.mark.timeout(600)
