@@ -181,8 +181,9 @@ def main() -> None:
     slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
     slow_from = int(os.environ.get("RDZV_EXAMPLE_SLOW_FROM", "0"))
     hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
-    finish_with, _, finish_after = os.environ.get("RDZV_EXAMPLE_FINISH_WITH", "0").partition(":")
-    changed = [0]  # the step of the last change of world size (every member saw it there)
+    finish_with, _, finish_after = (os.environ.get("RDZV_EXAMPLE_FINISH_WITH") or "0").partition(":")
+    hold = (int(finish_with), int(finish_after or 0))  # (world size, steps in the same group)
+    total = 10 * args.steps if hold[0] else args.steps
 
     device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
@@ -198,6 +199,7 @@ def main() -> None:
         state.step = load_checkpoint(args.checkpoint, model, optimizer)
 
     ddp: DistributedDataParallel
+    entered: list[int | None] = [None]  # the step at which the group began (all ranks agree)
 
     @state.on_change  # after every switch to a new group; called once below for the first one
     def rebuild(state: rdzv.torch.ElasticState) -> None:
@@ -206,13 +208,15 @@ def main() -> None:
         a collective, which every rank of the group runs, newcomers included."""
         nonlocal ddp
         ddp = DistributedDataParallel(model, init_sync=False)
-        changed[0] = state.step
+        entered[0] = state.step
         report_check(args, state, parameters_agree(model), "parameters")
 
     rebuild(state)
+    if not state.received:  # (restored from the checkpoint: agreed at the first step)
+        entered[0] = None
     report_start(state)
     if state.rank == 0 or state.received:
-        if state.step >= args.steps:
+        if state.step >= total:
             print(f"the checkpoint already has {state.step} steps: nothing to do (ask for more with "
                   f"--steps {state.step + args.steps})", flush=True)
     saving = [0.0]  # seconds rank 0 spent writing checkpoints since its last progress line
@@ -220,7 +224,10 @@ def main() -> None:
     def train() -> torch.Tensor:
         """The training loop; state.run() calls it again after the group lost a member."""
         global_loss = torch.tensor(float("nan"))
-        for step in state.steps(args.steps):
+        for step in state.steps(total):
+            entered[0] = step if entered[0] is None else entered[0]
+            if step >= args.steps and state.world_size >= hold[0] and step - entered[0] >= hold[1]:
+                break  # (RDZV_EXAMPLE_FINISH_WITH: every rank sees this step and group)
             if step == hang_at:
                 print(f"rank {state.rank} hangs at step {step} (RDZV_EXAMPLE_HANG_AT)", flush=True)
                 threading.Event().wait()  # a deadlock in the program's own code
@@ -249,11 +256,6 @@ def main() -> None:
         return global_loss
 
     global_loss = state.run(train)
-    last = 10 * args.steps  # (every rank sees the same world size and step: they stop together)
-    while global_loss is not None and args.steps < last and (
-            state.world_size < int(finish_with) or state.step - changed[0] < int(finish_after or 0)):
-        args.steps += 1
-        global_loss = state.run(train)
     if state.left:  # this node left the job: the others train on without it
         print(f"left the job after step {state.step}", flush=True)
         exit_now()

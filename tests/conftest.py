@@ -30,9 +30,9 @@ def _in_ci() -> bool:
 LONG_FIRST = ("torch", "trainchaos", "clusters", "rendezvous/test_etcd_backend.py",
               "store/test_torch_adapter_contract.py", "agent/test_agent.py", "etcd", "chaos")
 """Folders and files that run longest (real training jobs, soaks, a Slurm cluster, two etcd
-versions, torch in every peer), collected first: the two workers start on them and the many
-short files fill the end, instead of one long file running alone at the end while the other
-worker idles. (pyproject.toml's addopts pass ``--no-loadscope-reorder``: by default pytest-xdist
+versions, torch in every peer), collected first (in each of the two parts ``scripts/test``
+runs): the workers start on them and the many short files fill the end, instead of one long file
+running alone at the end while the other workers idle. (pyproject.toml's addopts pass ``--no-loadscope-reorder``: by default pytest-xdist
 hands out the files with the most tests first, which put the longest, with few tests, last.)"""
 
 

@@ -152,7 +152,7 @@ def test_the_last_call_is_named_when_it_begins(launcher: Launcher) -> None:
     wait_for(lambda: "listening on" in server.output(), 60, "the store server")
     argv = [sys.executable, "-m", "rdzv", "run", "--nnodes", "1:3", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf",
-            "is_host=0,last_call_timeout=6", PRINT_RANK]
+            "is_host=0,last_call_timeout=10", PRINT_RANK]
     nodes = [launcher.start(argv) for _ in range(2)]
     wait_for(lambda: all("waiting for nodes" in node.output() for node in nodes), 30,
              "both nodes joining")

@@ -254,7 +254,7 @@ def test_survivors_below_min_nodes_wait_and_resume_in_process(launcher: Launcher
     # Once the returning node is in, the survivor trains on while the newcomer's worker starts;
     # past its 200 steps, the job trains on until that worker has joined (its start can outlast
     # the steps left on a loaded machine).
-    finish = {"RDZV_EXAMPLE_FINISH_WITH": "2"}
+    finish = {"RDZV_EXAMPLE_FINISH_WITH": "2:10"}
     first, victim = start_nodes(launcher, args, 2, finish)
     wait_for(lambda: len(progress(log)) >= 20, PHASE_TIMEOUT, "20 steps at world size 2")
     os.killpg(victim.pid, signal.SIGKILL)
@@ -270,6 +270,7 @@ def test_survivors_below_min_nodes_wait_and_resume_in_process(launcher: Launcher
     assert re.search(r"recovered in-process in \d+ ms", text), text
     entries = progress(log)
     assert len(entries) > steps_before and entries[-1]["step"] >= 200
+    assert entries[-1]["world_size"] == 2, entries[-1]  # the returning node trained too
     assert "joined a running job" in returning.output(), returning.output()
 
 
@@ -278,7 +279,10 @@ def test_a_crashed_worker_rejoins_from_a_peer_while_the_others_recover(launcher:
                                                                        tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
     args = example_args(tmp_path, log, 250, "--max-restarts", "1")
-    first, second, crashing = start_nodes(launcher, args, 3)
+    # Past its 250 steps, the job trains on until the three nodes have trained 100 steps in one
+    # group (on a loaded machine the workers' starts, torch's import, outlast the steps left):
+    # time for the crash after 20 steps, and for the restarted worker to join and train.
+    first, second, crashing = start_nodes(launcher, args, 3, {"RDZV_EXAMPLE_FINISH_WITH": "3:100"})
     wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
              "20 steps at world size 3")
     os.kill(worker_pid(crashing.pid), signal.SIGKILL)  # the worker alone; its node survives
@@ -292,7 +296,7 @@ def test_a_crashed_worker_rejoins_from_a_peer_while_the_others_recover(launcher:
     assert "joined a running job" in again, again  # the state came from a peer
     entries = progress(log)
     # The others recover without it at once (world size 2), and it joins once warm (3).
-    assert entries[-1]["step"] == 250 and phases(entries, since=3) == [3, 2, 3], phases(entries)
+    assert entries[-1]["step"] >= 250 and phases(entries, since=3) == [3, 2, 3], phases(entries)
     steps = [e["step"] for e in entries]
     jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
     assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
