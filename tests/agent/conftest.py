@@ -49,7 +49,7 @@ def rdzv(request: Any, tmp_path: Any) -> Any:
 
         def args(self, nnodes: str, nproc: int = 2, *extra: str) -> list[str]:
             """The flags of an agent; its workers (``_worker.py``) do not use the in-process API,
-            which the agent takes 1 s after their start (not the 10 s Python and torch may need)."""
+            which the agent takes 1 s after their start (not the 30 s Python and torch may need)."""
             settings = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=10"
             return [
                 "--nnodes", nnodes, "--nproc-per-node", str(nproc),

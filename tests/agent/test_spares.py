@@ -42,8 +42,11 @@ def test_three_agents_with_two_places_finish_an_8_s_job_in_about_8_s(agents: Any
     assert len(spares) == 1, outputs[-6000:]
     assert "the job finished without needing this spare node" in spares[0].output()
     records = worker_records(str(rdzv.out))
-    assert len(records) == 2, records  # one group of two, started once: no re-forming
-    assert {r["WORLD_SIZE"] for r in records} == {"2"}
+    # One group of two, started once: the spare never made it re-form. (On a loaded machine the
+    # first round can form with the first agent alone, its last call of 1 s over before the
+    # second agent has started: then one worker at world size 1 first.)
+    full = [r for r in records if r["WORLD_SIZE"] == "2"]
+    assert len(full) == 2 and len(records) - len(full) <= 1, records
     assert took < JOB_SECONDS + 60, took  # the livelock ran until the test's timeout
 
 
