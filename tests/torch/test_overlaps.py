@@ -61,11 +61,14 @@ def test_a_node_lost_while_a_join_forms_costs_no_switch_timeout(launcher: Launch
                                                                 tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
     args = agent_args(tmp_path, serve(launcher), example(tmp_path, 400))
-    a, b, c = (launcher.start(args) for _ in range(3))
+    # past its 400 steps, the job trains on until the newcomer has joined and trained 10 steps
+    # (on a loaded machine its worker's start has outlasted the steps left)
+    finish = {"RDZV_EXAMPLE_FINISH_WITH": "3:10"}
+    a, b, c = (launcher.start(args, env=finish) for _ in range(3))
     wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
              "20 steps at world size 3")
     before = len(progress(log))
-    d = launcher.start(args)  # a newcomer: the next round forms while it warms up
+    d = launcher.start(args, env=finish)  # a newcomer: the next round forms while it warms up
     wait_for(lambda: "started 1 worker(s)" in d.output(), PHASE_TIMEOUT, "the newcomer warming")
     os.killpg(c.pid, signal.SIGKILL)  # a member of the forming round dies, agent and worker
     c.wait(PHASE_TIMEOUT)
@@ -73,7 +76,7 @@ def test_a_node_lost_while_a_join_forms_costs_no_switch_timeout(launcher: Launch
     outputs = "".join(node.output()[-6000:] for node in (a, b, d))
     assert codes == [0, 0, 0], outputs
     entries = progress(log)[before:]
-    assert entries[-1]["step"] == 400 and phases(entries)[-1] == 3, phases(entries)
+    assert entries[-1]["step"] >= 400 and phases(entries)[-1] == 3, phases(entries)
     assert longest_pause(entries) < 5.0, outputs  # not the --switch-timeout of 40 s
     for node in (a, b):  # in-process: the same worker all along
         assert started_once(node) and "restarting the workers" not in node.output(), outputs
