@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rdzv._channel import ENV_CHANNEL, ChannelServer
 from rdzv._messages import Abort, Hello, Stop
@@ -169,34 +169,35 @@ def test_a_worker_told_to_leave_ends_quietly_when_its_agent_ended_first() -> Non
     """scancel of a whole job: every process gets SIGTERM at once. A worker in a collective runs
     its handler only once the collective fails, after its agent's end was seen: it ends as
     SIGTERM's default action would, not with a traceback about its agent."""
-    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
-    worker = start("", server, TOLD_TO_LEAVE)
-    try:
-        assert isinstance(seen.get(timeout=10)[1], Hello)
+
+    def act(server: ChannelServer, worker: subprocess.Popen[str]) -> None:
         worker.send_signal(signal.SIGTERM)  # pending until the script unblocks it
         server.close()  # its agent ends
-        code = worker.wait(timeout=30)
-        _, err = worker.communicate(timeout=10)
-        assert code == 128 + signal.SIGTERM, err
-        assert "Traceback" not in err, err
-    finally:
-        worker.kill()
-        worker.wait(timeout=10)
-        server.close()
+
+    ends_as_sigterm(TOLD_TO_LEAVE, act)
 
 
 def test_a_worker_its_agent_stops_ends_quietly_when_the_agent_hangs_up_first() -> None:
     """The agent stops its workers: it says Stop on the channel, hangs up, then signals. A
     worker waiting for its plan sees the agent's end before the signal comes: it ends as the
     SIGTERM would, not with a traceback about its agent (seen once in a full run)."""
-    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
-    worker = start("", server, STOPPED)
-    try:
-        assert isinstance(seen.get(timeout=10)[1], Hello)
+
+    def act(server: ChannelServer, worker: subprocess.Popen[str]) -> None:
         assert server.send(0, Stop())
         server.forget()  # hung up; no signal follows here
+
+    ends_as_sigterm(STOPPED, act)
+
+
+def ends_as_sigterm(script: str, act: Callable[[ChannelServer, subprocess.Popen[str]], None]) -> None:
+    """Start ``script`` as a worker of a channel, ``act`` once it said Hello: it ends with
+    SIGTERM's code (143) and no traceback."""
+    seen: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    server = ChannelServer(lambda rank, message: seen.put((rank, message)))
+    worker = start("", server, script)
+    try:
+        assert isinstance(seen.get(timeout=10)[1], Hello)
+        act(server, worker)
         code = worker.wait(timeout=30)
         _, err = worker.communicate(timeout=10)
         assert code == 128 + signal.SIGTERM, err
