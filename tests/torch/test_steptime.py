@@ -14,10 +14,10 @@ from torch import nn
 
 from rdzv.torch._steptime import StepTimer
 
-WAIT = 0.2
-WORK = 0.1
-"""(Apart by more than a loaded machine's oversleep: a wait taken for work, or work for a wait,
-lands outside the other's bounds.)"""
+WAIT = 0.6
+WORK = 0.2
+"""(Apart by more than a loaded machine's oversleep and slow steps, 0.1 s seen in CI: a wait
+taken for work, or work for a wait, lands outside the other's bounds.)"""
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, wait: float = 0.0,
@@ -37,8 +37,9 @@ def make() -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_a_step_splits_into_work_and_wait() -> None:
     model, optimizer = make()
     timer = StepTimer(model, optimizer)
+    train_step(model, optimizer)  # autograd's first backward starts its threads: not timed
     started = time.perf_counter()
-    for _ in range(5):
+    for _ in range(4):
         train_step(model, optimizer, wait=WAIT, work=WORK)
         now = time.perf_counter()
         timer.step(started, now)
