@@ -174,3 +174,46 @@ def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
     jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
     assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
     assert steps[-1] == 400
+
+
+@pytest.mark.timeout(600)
+def test_a_recovery_taken_between_steps_frees_a_local_peer_waiting_in_the_next_step(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """A node's workers leave a step at different points: local rank 0 sleeps after its
+    optimizer step (slow data loading) while local rank 1 already waits for it in the next
+    step's all-gather over the node's group. The other node is killed then: local
+    rank 0 takes the recovery at its step's end, and local rank 1, whose wait no abort of the
+    job's group reaches, must be freed to recover too (not end itself, which would restart the
+    node's workers: --max-restarts 0 fails the job instead)."""
+    slow = tmp_path / "slow"
+    args = [*RDZV_RUN, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "tcp",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "hsdp-slow",
+            "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
+            "--stop-timeout", "5", "--max-restarts", "0", str(Path(__file__).parent /
+                                                              "_hsdp_worker.py"),
+            "--steps", "300", "--slow-file", str(slow), "--slow-seconds", "2"]
+    first = launcher.start(args)  # it serves the store, and stays
+    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
+    second = launcher.start(args)
+    phase(lambda: "step 10 world_size 4" in first.output() + second.output(),
+          "10 steps of 2 nodes", first, second)
+
+    def slept() -> int:
+        return len(re.findall(r"sleeps 2\.0 s after step", first.output()))
+
+    slow.touch()
+    phase(lambda: slept() >= 3, "three slow steps", first, second)  # (step times of 2 s)
+    seen = slept()
+    phase(lambda: slept() > seen, "the next slow step", first, second)
+    os.killpg(second.pid, signal.SIGKILL)  # the other node: its agent and workers
+    slow.unlink()
+    second.wait(PHASE_TIMEOUT)
+    assert first.wait(PHASE_TIMEOUT) == 0, first.output()[-8000:]
+
+    text = first.output()
+    assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text[-8000:]
+    assert re.search(r"recovered in-process in \d+ ms at step \d+: 1 node\(s\), world size 2",
+                     text), text[-8000:]
+    assert "ends itself" not in text, text[-8000:]
+    assert "world size 2 at step" in text and "DIFFERENT" not in text, text[-8000:]
+    assert "done: 300 steps" in text, text[-8000:]

@@ -293,6 +293,8 @@ class ElasticState:
         assert self._link is not None
         self._aborts = aborts
         group_sockets.close_current()  # a peer that took the plan late must not wait on us
+        if plan.kind is PlanKind.RECOVER and self._shards is not None:
+            self._shards.abandon()  # a local peer may wait in the next step already
         if plan.kind is PlanKind.LEAVE:
             leave_group()
             self.left = True
@@ -310,10 +312,14 @@ class ElasticState:
         (False: its node leaves instead)."""
         assert self._link is not None
         started = time.perf_counter()
+        if isinstance(exc, ValueError) and "world group map" in str(exc) and exc.__context__:
+            # torch's logging of a failed collective on a group outside its map of the job's
+            # groups (the node group) fails in turn, and hides the failure: report that one
+            exc = exc.__context__
         logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
                        self.step, type(exc).__name__, first_line(exc))
-        if self._shards is not None and self._entering is None:
-            self._shards.abandon()  # (a step failed, not an entry)
+        if self._shards is not None:
+            self._shards.abandon()
         self._link.send(Broken(self.step, round=self._entering, error=first_line(exc)))
         group_sockets.abort()
         leave_group()

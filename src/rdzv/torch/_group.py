@@ -81,13 +81,13 @@ class AgentLink:
     Shutting an aborted gloo group's sockets down fails its pending collective, but not always:
     a ring step waiting for its send to complete (``UnboundBuffer::waitSend``) can wait for the
     group's timeout (10 minutes by default) on a socket already closed; and a group the abort
-    does not reach (the node's own group of a sharded model, ``_nodegroup``) waits on a local
-    peer that has gone to recover. So after an abort the training thread must show within the
-    grace that it has left the aborted group (it took a plan, or waits for one, having reported
-    the failure); a step boundary alone does not, as the next step may wait again. If it does
-    not, the worker ends itself with SIGKILL, and its agent restarts it (alone, or with its
-    node's workers for a sharded model), as a crashed worker: it rejoins from its peers, who
-    recover in-process without it meanwhile.
+    does not reach (the node's own group of a sharded model, ``_nodegroup``) is freed only once
+    the local peer it waits for goes to recover (and cuts it). So after an abort the training
+    thread must show within the grace that it has left the aborted group (it took a plan, or
+    waits for one, having reported the failure); a step boundary alone does not, as the next
+    step may wait again. If it does not, the worker ends itself with SIGKILL, and its agent
+    restarts it (alone, or with its node's workers for a sharded model), as a crashed worker:
+    it rejoins from its peers, who recover in-process without it meanwhile.
     """
 
     def __init__(self, path: str, fresh: bool) -> None:
@@ -364,8 +364,8 @@ def enter_group(backend: str, plan: Plan, aborts: int) -> None:
             dist.init_process_group(backend, store=dist.PrefixStore(f"{plan.prefix}/", store),
                                     rank=plan.rank, world_size=plan.world_size,
                                     timeout=group_options["timeout"], **group_options["kwargs"])
-            for hook in entering_hooks:
-                hook()
+        for hook in entering_hooks:  # (what they make is not the job group's: not recorded)
+            hook()
     except (GroupLost, SwitchError):
         raise
     except Exception as exc:  # torch raises RuntimeError, DistError, DistNetworkError, ...

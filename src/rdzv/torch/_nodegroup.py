@@ -1,16 +1,26 @@
-"""The process group of one node's workers, made once and kept for the life of the workers:
-the shard group of sharded training (FSDP2 over :func:`node_mesh`).
+"""The process group of one node's workers: the shard group of sharded training (FSDP2 over
+:func:`node_mesh`), kept across membership changes, made anew only when one of its workers cut
+it.
 
 FSDP2 and the device mesh hold a ``ProcessGroup`` object from the moment a module is sharded.
 Under ``rdzv run`` every membership change replaces the job's process group (a new default group
 under a fresh store prefix), which destroys every group registered with torch. This one is not
 registered there, so it lives on: it is made among the node's workers through the job's store of
-the moment (``node_mesh()``, a collective), its connections join only the node's own workers,
-and they do not change while those workers live (a worker that crashes takes its node's workers
-with it: they restart together and make a new one). Aborts and switches leave its sockets alone:
-a lost node is never a member of it. In every group a worker enters (``enter_group``) the group's
-name is registered again with torch (functional collectives and DCP find a group by its name)
-and the layout of the new group is checked (:meth:`NodeGroup.entered`).
+the moment (``node_mesh()``, a collective), its connections join only the node's own workers
+(a worker that crashes takes its node's workers with it: they restart together), and planned
+switches leave it alone. In every group a worker enters (``enter_group``) the group's name is
+registered again with torch (functional collectives and DCP find a group by its name) and the
+layout of the new group is checked (:meth:`NodeGroup.entered`).
+
+A node's workers do not leave a step at one point: one may take a recovery at its step's end
+while a local peer already waits for it in the next step's first all-gather, a collective of
+this group that no abort of the job's group reaches. So a worker that goes to a recovery cuts
+this group (:meth:`NodeGroup.cut`: its sockets shut down, an NCCL communicator aborted): a
+local peer waiting in it fails at once and recovers too. Work a peer completed stays complete
+(what was sent arrives before the end of the stream), so a commit both made holds on both. In
+the next group they enter, the node's workers learn in the layout check whether one of them cut
+it, and then make it anew, the same ``ProcessGroup`` object for FSDP2 being impossible: the
+holders of the old one are pointed at the new one (``_sharded``).
 
 A node's workers are the ranks ``rank // local_world_size`` of the job: ``rdzv run`` and torchrun
 number a node's workers consecutively, and sharded training needs the same number of workers on
@@ -19,6 +29,7 @@ every node (``--nproc-per-node``).
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -28,7 +39,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import RendezvousParameterError
+from ._abort import GroupSockets
 from ._group import SwitchError, entering_hooks, group_options
+
+logger = logging.getLogger(__name__)
 
 _c10d = torch._C._distributed_c10d  # type: ignore[attr-defined]
 
@@ -53,45 +67,81 @@ class NodeGroup:
 
     def __init__(self, backend: str, device_type: str, timeout: timedelta) -> None:
         self.local_rank, self.size = local_world()
+        self.backend = backend
         self.device_type = device_type
+        self.timeout = timeout
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if device_type == "cuda" else torch.device("cpu")
         """Where this worker's tensors for the group's collectives live."""
+        self.broken = False
+        """Whether this worker cut the group since it was made (its node makes it anew)."""
+        self._sockets = GroupSockets()
         self._check_layout()
-        node = dist.get_rank() // self.size
-        store = dist.PrefixStore(f"rdzv-node/{node}/", dist.distributed_c10d._get_default_store())
-        self.pg = _c10d.ProcessGroup(store, self.local_rank, self.size)
-        made: Any
-        if backend == "nccl":  # (torch's stub asks for options; its constructor has defaults)
-            made = _c10d.ProcessGroupNCCL(  # type: ignore[call-arg]
-                store, self.local_rank, self.size)
-            kind = _c10d.ProcessGroup.BackendType.NCCL
-        else:
-            made = _c10d.ProcessGroupGloo(store, self.local_rank, self.size, timeout)
-            kind = _c10d.ProcessGroup.BackendType.GLOO
-        self.pg._set_default_backend(kind)
-        self.pg._register_backend(torch.device(device_type), kind, made)
-        self.pg._set_group_name(self.NAME)
-        _c10d._register_process_group(self.NAME, self.pg)
+        self.pg = self._make()
         first = dist.get_rank() - self.local_rank
         self.mesh = DeviceMesh(device_type, torch.arange(first, first + self.size,
                                                          dtype=torch.int),
                                mesh_dim_names=("shard",), _init_backend=False)
-        # what DeviceMesh.from_group does for a group torch has registered
+        self._register()
+
+    def _make(self) -> dist.ProcessGroup:
+        """A process group of the node's workers, through the job's store of the moment (a
+        collective of the node's workers), its sockets recorded to be cut."""
+        node = dist.get_rank() // self.size
+        store = dist.PrefixStore(f"rdzv-node/{node}/", dist.distributed_c10d._get_default_store())
+        pg = _c10d.ProcessGroup(store, self.local_rank, self.size)
+        made: Any
+        with self._sockets.recording():
+            if self.backend == "nccl":  # (torch's stub asks for options; it has defaults)
+                made = _c10d.ProcessGroupNCCL(  # type: ignore[call-arg]
+                    store, self.local_rank, self.size)
+                kind = _c10d.ProcessGroup.BackendType.NCCL
+            else:
+                made = _c10d.ProcessGroupGloo(store, self.local_rank, self.size, self.timeout)
+                kind = _c10d.ProcessGroup.BackendType.GLOO
+        pg._set_default_backend(kind)
+        pg._register_backend(torch.device(self.device_type), kind, made)
+        pg._set_group_name(self.NAME)
+        return pg
+
+    def _register(self) -> None:
+        """Make the group's name resolve to it (torch's registry, the mesh's: what
+        ``DeviceMesh.from_group`` does for a group torch has registered)."""
+        _c10d._register_process_group(self.NAME, self.pg)
         self.mesh._dim_group_names = [self.NAME]
         self.mesh._pg_registry[self.NAME] = self.pg
 
-    def entered(self) -> None:
-        """In a group just entered (a collective of the job's workers): check its layout, and
-        register the group's name again (the new job group emptied torch's registry)."""
-        self._check_layout()
-        _c10d._register_process_group(self.NAME, self.pg)
+    def cut(self) -> None:
+        """This worker leaves a step for a recovery: fail whatever a local peer waits for in
+        this group (see the module's docstring); the node makes it anew in its next group."""
+        self.broken = True
+        if self.backend == "nccl":
+            try:
+                self.pg._get_backend(self.device).abort()
+            except (RuntimeError, AttributeError) as exc:
+                logger.warning("cannot abort the node group's NCCL communicator: %s", exc)
+            return
+        count = self._sockets.close_current()
+        logger.debug("the node's group cut: %d socket(s) shut down", count)
 
-    def _check_layout(self) -> None:
+    def entered(self) -> None:
+        """In a group just entered (a collective of the job's workers): check its layout, make
+        this group anew if one of the node's workers cut it, and register its name again (the
+        new job group emptied torch's registry)."""
+        if self._check_layout():
+            self.broken = True  # (until made: a failure on the way leaves it to the next group)
+            self.pg = self._make()
+            self._sockets.forget_closed()
+            self.broken = False
+            logger.info("the node's group made anew (a worker of the node had cut it)")
+        self._register()
+
+    def _check_layout(self) -> bool:
         """SwitchError unless every node of the job's group runs as many workers as this one,
-        numbered node by node (an all_gather of two numbers per worker)."""
-        mine = torch.tensor([dist.get_rank() % self.size == self.local_rank, self.size],
-                            dtype=torch.int64, device=self.device)
+        numbered node by node; whether a worker of this node cut this group (an all_gather of
+        three numbers per worker)."""
+        mine = torch.tensor([dist.get_rank() % self.size == self.local_rank, self.size,
+                             self.broken], dtype=torch.int64, device=self.device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         if any(not bool(t[0]) or int(t[1]) != self.size for t in everyone):
@@ -99,6 +149,8 @@ class NodeGroup:
                 "sharded training over node_mesh() needs the same number of workers on every "
                 f"node (--nproc-per-node), all of them in the group: this node runs {self.size}, "
                 f"the nodes run {sorted({int(t[1]) for t in everyone})}")
+        first = dist.get_rank() - self.local_rank
+        return any(bool(t[2]) for t in everyone[first:first + self.size])
 
 
 node_group: list[NodeGroup] = []

@@ -11,7 +11,9 @@ membership. What spans nodes is done here, anew for every group:
   what HSDP's replicate dimension does), followed by a one-number all_reduce among the node's
   workers, the **commit**: a node applies a step on all its shards or on none, so that a node
   lost mid-step leaves survivors that each hold a whole state (``_agreement.agree`` takes its
-  source among them);
+  source among them); a worker that goes to a recovery cuts the node's group (its local peers'
+  commit, or any wait of theirs in it, fails at once; see ``_nodegroup``), and when the node
+  makes it anew, FSDP2's references to it are pointed at the new one (:func:`_repoint`);
 * the **state** a newcomer receives: this worker's shard of the model and optimizer (DCP's
   sharded state dicts, their DTensors as local tensors), sent by the worker of the same local
   rank on the source node: all local ranks in parallel, over the new group.
@@ -19,7 +21,6 @@ membership. What spans nodes is done here, anew for every group:
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -30,8 +31,6 @@ from torch.distributed.tensor import DTensor
 from ..errors import RendezvousParameterError
 from ._group import GroupLost, group_sockets
 from ._nodegroup import NodeGroup, node_group
-
-logger = logging.getLogger(__name__)
 
 BUCKET = 32 << 20
 """Bytes of gradients reduced over the replicas by one all_reduce."""
@@ -49,6 +48,8 @@ class Sharded:
                 "rdzv.torch.node_mesh() (fully_shard(module, mesh=rdzv.torch.node_mesh())), "
                 "the mesh whose replicas follow the job's membership")
         self.node: NodeGroup = group
+        self._pg = group.pg
+        """The node group FSDP2 holds (the node may have made a new one since)."""
         self.model = model
         self.optimizer = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -57,8 +58,6 @@ class Sharded:
         self.reduced = False
         """Whether this step's gradients were reduced already (an explicit call before
         clipping)."""
-        self.committed = False
-        """Whether this step's commit was made (then a failure needs no word to the node)."""
         self.quiet = False
         """While the state is prepared for a transfer: an optimizer step then is no training
         step (DCP's initialisation of an empty optimizer state)."""
@@ -68,7 +67,11 @@ class Sharded:
     # -- every group ------------------------------------------------------------------------
     def enter(self) -> None:
         """In a group just entered (a collective of every worker): make this worker's replica
-        group (the node group checked already that every node runs as many workers)."""
+        group (the node group checked already that every node runs as many workers, and made
+        itself anew if one of them cut it: FSDP2 then uses the new one)."""
+        if self._pg is not self.node.pg:
+            _repoint(self.model, self._pg, self.node.pg)
+            self._pg = self.node.pg
         size = self.node.size
         nodes = dist.get_world_size() // size
         with group_sockets.recording():  # an abort shuts their sockets down too
@@ -76,13 +79,13 @@ class Sharded:
                       for part in range(size)]
         self.replicas = groups[self.node.local_rank]
         self.count = nodes
-        self.reduced = self.committed = False
+        self.reduced = False
 
     # -- every step ---------------------------------------------------------------------------
     def _before_step(self, *_: Any) -> None:
         if not self.quiet:
             self.reduce()
-        self.reduced = self.committed = False
+        self.reduced = False
 
     def reduce(self) -> None:
         """Average this worker's gradient shards over the replicas, then commit: every worker
@@ -97,7 +100,6 @@ class Sharded:
                               if p.grad is not None])
         except Exception as exc:  # the replica group failed: the node must not apply the step
             error = exc
-        self.committed = True
         if not self._commit(error is None):
             raise error or GroupLost("another worker of this node could not complete its step: "
                                      "the node applies it nowhere")
@@ -111,17 +113,11 @@ class Sharded:
         return bool(flag.item())
 
     def abandon(self) -> None:
-        """The step failed under this worker before its commit (a collective of the job's group
-        failed): the node's other workers may wait in the commit, having completed that
-        collective; say no to them (the node applies the step nowhere). Nothing if the commit
-        was made; if a local peer is gone the commit fails at once, and nobody waits."""
-        committed, self.committed = self.committed, False
-        if committed or self.count == 1:
-            return
-        try:
-            self._commit(False)
-        except Exception as exc:  # a local peer gone: nobody waits
-            logger.debug("the node's commit after a failed step: %s", exc)
+        """This worker leaves its step for a recovery (a collective failed under it, or it took
+        a recovery's plan at the step's end): cut the node's group, so a local peer waiting in
+        its commit or in the next step's all-gather fails at once and recovers too."""
+        self.reduced = False
+        self.node.cut()
 
     def _all_reduce(self, grads: list[torch.Tensor]) -> None:
         """Sum ``grads`` over the replicas and divide by their count, in buckets of one dtype."""
@@ -173,6 +169,25 @@ class Sharded:
             return get_state_dict(self.model, self.optimizer)  # type: ignore[return-value]
         finally:
             self.quiet = False
+
+
+def _repoint(model: torch.nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> None:
+    """Point FSDP2's references to the node group ``old`` (its mesh infos, made once at
+    ``fully_shard``, of every parameter group and parameter) at ``new``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            holders: list[Any] = [group, *group.fsdp_params]
+            infos = {id(info): info for holder in holders
+                     for info in (holder.mesh_info, holder.post_forward_mesh_info)
+                     if info is not None}
+            for info in infos.values():
+                for name in ("shard_process_group", "reduce_scatter_process_group"):
+                    if getattr(info, name, None) is old:
+                        setattr(info, name, new)
 
 
 def _local(node: Any) -> Any:
