@@ -350,8 +350,34 @@ def test_transitions_that_keep_failing_end_in_a_restart() -> None:
     node, _ = step(replace(node, phase=Phase.ENTERING, decision=decided(Kind.RECOVER),
                            assignment=assignment()), Changed(4, lost=1), NOW, RULES)
     assert node.restart_cause == "transition_failed" and "3 transitions" in node.restart_why
-    entered, _ = step(entering(), worker(Entered(4, 10.0, 50)), NOW, RULES)
-    assert entered.failed_transitions == 0  # a transition that completes resets the count
+    # a transition that completes counts as one once a step was done in its group
+    entered, _ = step(replace(entering(), failed_transitions=2), worker(Entered(4, 10.0, 50)),
+                      NOW, RULES)
+    assert (entered.failed_transitions, entered.entered_at) == (2, 50)
+    trained, _ = step(entered, worker(Progress(51)), NOW, RULES)
+    assert trained.failed_transitions == 0
+
+
+def test_groups_that_fail_before_a_step_in_them_end_in_a_restart() -> None:
+    """A worker whose every group fails at once (a deterministic error taken for a lost peer)
+    would recover again and again at one step: each such group counts as a failed
+    transition."""
+    node = replace(running(), entered_at=40)
+    for count in range(1, MAX_FAILED_TRANSITIONS):
+        node, _ = step(replace(node, phase=Phase.RUNNING), worker(Broken(40)), NOW, RULES)
+        assert (node.failed_transitions, node.restart_why) == (count, None)
+    node, _ = step(replace(node, phase=Phase.RUNNING), worker(Broken(40)), NOW, RULES)
+    assert node.restart_cause == "transition_failed"
+    assert node.restart_why == ("3 transitions in a row failed at step 40, where their group "
+                                "was entered, before a step in it")
+    # a group the workers trained in: a failure of it is a loss, and the count starts anew
+    node, _ = step(replace(running(), entered_at=40, failed_transitions=2), worker(Broken(41)),
+                   NOW, RULES)
+    assert node.failed_transitions == 0 and node.restart_why is None
+    # a newcomer's failure is no transition of this node's trained group
+    node, _ = step(replace(running(), entered_at=40, failed_transitions=2),
+                   worker(Broken(40, fresh=True)), NOW, RULES)
+    assert node.failed_transitions == 2 and node.restart_why is None
 
 
 def test_a_crashed_worker_is_absent_until_warm_then_fresh() -> None:

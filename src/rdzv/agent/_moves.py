@@ -23,8 +23,9 @@ from ._protocol import (
 from ._records import SlotState
 
 MAX_FAILED_TRANSITIONS = 3
-"""Transitions in a row that could not complete before the workers restart instead (a worker
-that fails every group it enters, a deterministic error taken for a lost peer)."""
+"""Transitions in a row that could not complete, or whose group failed before a step in it,
+before the workers restart instead (a worker that fails every group it enters, a deterministic
+error taken for a lost peer)."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
@@ -63,13 +64,31 @@ def abandon(node: Node, why: str) -> Result:
     """Leave a decided round whose group cannot form: abort the workers' group, mark the round
     abandoned (the others see it at once) and join the next round, as a recovery. Transitions
     that keep failing end in a restart of every worker (counted)."""
-    failed = node.failed_transitions + 1
-    node = replace(aborted(node), failed_transitions=failed)
-    if failed >= MAX_FAILED_TRANSITIONS and node.restart_why is None:
-        node = replace(node, restart_cause="transition_failed", restart_why=(
-            f"{failed} transitions in a row could not complete (the last: {why})"))
+    node = failed_transition(aborted(node), f"could not complete (the last: {why})")
     return join(node, say(f"{why}: aborting the workers' group and forming the next round"),
                 act("abort"), act("abandon"))
+
+
+def failed_transition(node: Node, how: str) -> Node:
+    """Count a transition that failed (abandoned, or its group failed before a step in it):
+    past :data:`MAX_FAILED_TRANSITIONS` in a row the workers restart instead."""
+    failed = node.failed_transitions + 1
+    node = replace(node, failed_transitions=failed)
+    if failed >= MAX_FAILED_TRANSITIONS and node.restart_why is None:
+        node = replace(node, restart_cause="transition_failed",
+                       restart_why=f"{failed} transitions in a row {how}")
+    return node
+
+
+def group_failed(node: Node, step: int) -> Node:
+    """A worker's group failed at ``step`` while the workers trained in it: a group that failed
+    before a step in it (``entered_at``) counts as a failed transition (a worker whose every
+    group fails at once: a deterministic error taken for a lost peer, which would otherwise
+    recover again and again at one step); one they trained in resets the count."""
+    if node.entered_at is None or step > node.entered_at:
+        return replace(node, failed_transitions=0)
+    return failed_transition(node, f"failed at step {step}, where their group was entered, "
+                                   "before a step in it")
 
 
 def cancel(node: Node, why: str) -> Result:

@@ -199,8 +199,10 @@ class Node:
     cancelled: str | None = None
     """Why this node cancelled round ``gen`` (a decision written first makes it abandon it)."""
     failed_transitions: int = 0
-    """Transitions in a row that could not complete (abandoned): past a bound, the workers
-    restart instead of recovering again."""
+    """Transitions in a row that could not complete (abandoned), or whose group failed before a
+    step in it: past a bound, the workers restart instead of recovering again."""
+    entered_at: int | None = None
+    """The step at which the workers entered their group in-process (None: started in it)."""
     restarts: int = 0
     started: float = 0.0
     """When the workers were last started (those that never connect do not use the API)."""

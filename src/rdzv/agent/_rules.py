@@ -171,7 +171,7 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False)
                   for s in node.slots)
     node = replace(node, phase=Phase.RUNNING, slots=slots, restarts=restarts, restart_why=None,
-                   restart_cause="",
+                   restart_cause="", failed_transitions=0, entered_at=None,
                    group=Group(decision.prefix, node.assignment.rank_offset,
                                decision.world_size, node.assignment.local_ranks),
                    deadline=math.inf, started=now)

@@ -18,6 +18,7 @@ from ._moves import (
     cancel,
     exit_with,
     fail,
+    group_failed,
     join,
     running,
     say,
@@ -61,6 +62,9 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
     if isinstance(message, Progress):
         step_time = message.step_time
         longest = max(slot.longest, step_time) if step_time is not None else slot.longest
+        if node.failed_transitions and node.entered_at is not None and \
+                message.step > node.entered_at:  # a step done in the group
+            node = replace(node, failed_transitions=0)
         return with_slot(node, lr, step=message.step, step_time=step_time, longest=longest,
                          compute=message.compute, wait=message.wait, sampled=now, **QUIET), []
     if isinstance(message, Where):
@@ -72,6 +76,8 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
             return exit_with(node, 0, say("leaving: the workers' group failed while the node was "
                                        "leaving; exiting"), act("stop", signals.SIGTERM))
         if node.phase is Phase.RUNNING:
+            if not message.fresh:
+                node = group_failed(node, message.step)
             return join(node, say("a worker's process group failed (a peer is gone): "
                                     "forming the next round; the workers stay up"))
         if node.phase is Phase.ENTERING and message.round == node.gen:
@@ -124,7 +130,7 @@ def on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules) 
         return node, []
     slots = tuple(replace(s, state=Worker.RUNNING) if s.state is Worker.ENTERED else s
                   for s in node.slots)
-    node = replace(node, slots=slots, failed_transitions=0,
+    node = replace(node, slots=slots, entered_at=message.step,
                    group=Group(decision.prefix, mine.rank_offset, decision.world_size,
                                mine.local_ranks))
     pause = (now - node.entering_since) if decision.kind is Kind.RECOVER else None
