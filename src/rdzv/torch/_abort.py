@@ -67,8 +67,10 @@ class GroupSockets:
             self._excluded.add(link)
 
     @contextmanager
-    def recording(self) -> Iterator[None]:
-        """Track the sockets that appear while the block creates a group (or its store)."""
+    def recording(self, track: bool = True) -> Iterator[None]:
+        """Track the sockets that appear while the block creates a group (or its store); with
+        ``track`` False, an abort meanwhile shuts them down, but they are not this recorder's
+        once made (a group another recorder keeps: the node group, ``_nodegroup``)."""
         before = _sockets()
         token = id(before)
         with self._lock:
@@ -79,7 +81,8 @@ class GroupSockets:
             appeared = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
             with self._lock:
                 del self._creating[token]
-                self._tracked.update(appeared)
+                if track:
+                    self._tracked.update(appeared)
 
     def forget_closed(self) -> None:
         """Drop the sockets that are closed now (a destroyed group's)."""

@@ -160,8 +160,7 @@ class ElasticState:
             except Exception as exc:
                 if not self._group_failure(exc):
                     raise
-                self._link.send(Broken(self.step, fresh=True, round=plan.round,
-                                       error=first_line(exc)))
+                self._broken(plan.round, exc, fresh=True)
                 taken = self._enter_next(fresh=True)
                 if taken is None:
                     return
@@ -318,9 +317,7 @@ class ElasticState:
             exc = exc.__context__
         logger.warning("the process group failed at step %d (%s: %s); waiting for the agents",
                        self.step, type(exc).__name__, first_line(exc))
-        if self._shards is not None:
-            self._shards.abandon()
-        self._link.send(Broken(self.step, round=self._entering, error=first_line(exc)))
+        self._broken(self._entering, exc)
         group_sockets.abort()
         leave_group()
         while True:
@@ -334,7 +331,7 @@ class ElasticState:
             except Exception as error:
                 if not self._group_failure(error):
                     raise
-                self._link.send(Broken(self.step, round=plan.round, error=first_line(error)))
+                self._broken(plan.round, error)
                 continue
             self.recoveries += 1
             return True
@@ -356,8 +353,16 @@ class ElasticState:
                 self._created = time.perf_counter()
                 return plan, aborts
             except GroupLost as exc:
-                self._link.send(Broken(self.step, fresh=fresh, round=plan.round,
-                                       error=first_line(exc)))
+                self._broken(plan.round, exc, fresh=fresh)
+
+    def _broken(self, round_: int | None, exc: BaseException, fresh: bool = False) -> None:
+        """Tell the agent this worker's group failed (in round ``round_``'s entry, or None: in
+        a step). A sharded model's node group is cut first: a local peer that completed the
+        step or the entry may wait for this worker in the node group already."""
+        assert self._link is not None
+        if self._shards is not None:
+            self._shards.abandon()
+        self._link.send(Broken(self.step, fresh=fresh, round=round_, error=first_line(exc)))
 
     def _agree(self, decided: int | None, fresh: bool) -> bool:
         """Bring every worker of the current group to one state (see ``_agreement``), from

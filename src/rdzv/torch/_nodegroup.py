@@ -15,8 +15,9 @@ layout of the new group is checked (:meth:`NodeGroup.entered`).
 A node's workers do not leave a step at one point: one may take a recovery at its step's end
 while a local peer already waits for it in the next step's first all-gather, a collective of
 this group that no abort of the job's group reaches. So a worker that goes to a recovery cuts
-this group (:meth:`NodeGroup.cut`: its sockets shut down, an NCCL communicator aborted): a
-local peer waiting in it fails at once and recovers too. Work a peer completed stays complete
+this group (:meth:`NodeGroup.cut`: its sockets shut down; on NCCL its own communicator aborted,
+which does not wake a peer's kernel: there the abort watch's fallback frees the peer): a local
+peer waiting in it fails at once and recovers too. Work a peer completed stays complete
 (what was sent arrives before the end of the stream), so a commit both made holds on both. In
 the next group they enter, the node's workers learn in the layout check whether one of them cut
 it, and then make it anew, the same ``ProcessGroup`` object for FSDP2 being impossible: the
@@ -40,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import RendezvousParameterError
 from ._abort import GroupSockets
-from ._group import SwitchError, entering_hooks, group_options
+from ._group import SwitchError, entering_hooks, group_options, group_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class NodeGroup:
         store = dist.PrefixStore(f"rdzv-node/{node}/", dist.distributed_c10d._get_default_store())
         pg = _c10d.ProcessGroup(store, self.local_rank, self.size)
         made: Any
-        with self._sockets.recording():
+        # (an abort meanwhile fails it too: it waits on the job's store, which may be gone)
+        with self._sockets.recording(), group_sockets.recording(track=False):
             if self.backend == "nccl":  # (torch's stub asks for options; it has defaults)
                 made = _c10d.ProcessGroupNCCL(  # type: ignore[call-arg]
                     store, self.local_rank, self.size)

@@ -21,16 +21,20 @@ membership. What spans nodes is done here, anew for every group:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..errors import RendezvousParameterError
 from ._group import GroupLost, group_sockets
 from ._nodegroup import NodeGroup, node_group
+
+logger = logging.getLogger(__name__)
 
 BUCKET = 32 << 20
 """Bytes of gradients reduced over the replicas by one all_reduce."""
@@ -118,6 +122,7 @@ class Sharded:
         its commit or in the next step's all-gather fails at once and recovers too."""
         self.reduced = False
         self.node.cut()
+        _reset_iterations(self.model)
 
     def _all_reduce(self, grads: list[torch.Tensor]) -> None:
         """Sum ``grads`` over the replicas and divide by their count, in buckets of one dtype."""
@@ -174,8 +179,6 @@ class Sharded:
 def _repoint(model: torch.nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> None:
     """Point FSDP2's references to the node group ``old`` (its mesh infos, made once at
     ``fully_shard``, of every parameter group and parameter) at ``new``."""
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -184,10 +187,30 @@ def _repoint(model: torch.nn.Module, old: dist.ProcessGroup, new: dist.ProcessGr
             infos = {id(info): info for holder in holders
                      for info in (holder.mesh_info, holder.post_forward_mesh_info)
                      if info is not None}
-            for info in infos.values():
-                for name in ("shard_process_group", "reduce_scatter_process_group"):
-                    if getattr(info, name, None) is old:
-                        setattr(info, name, new)
+            # (and the communication hooks that keep a group: memory allocated from it)
+            keepers = [*infos.values(), group._all_gather_comm, group._reduce_scatter_comm]
+            for keeper in keepers:
+                for name in ("shard_process_group", "reduce_scatter_process_group", "_group"):
+                    if getattr(keeper, name, None) is old:
+                        setattr(keeper, name, new)
+
+
+def _reset_iterations(model: torch.nn.Module) -> None:
+    """FSDP2's per-step state after a step that an exception left mid-way (its roots'
+    ``reset_iter_state``: trackers cleared, parameters resharded), so the next step starts as
+    a first one."""
+    for root in _roots(model):
+        try:
+            root.reset_iter_state()
+        except Exception as exc:  # (not FSDP2's root, or its pending work failed with the group)
+            logger.warning("resetting FSDP2's step state after the failure: %s", exc)
+
+
+def _roots(module: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP2 modules of ``module`` that no other one contains (FSDP2's roots)."""
+    if isinstance(module, FSDPModule):
+        return [module]
+    return [root for child in module.children() for root in _roots(child)]
 
 
 def _local(node: Any) -> Any:
