@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from _agents import JOIN, WORKER, pid_alive, wait_for, worker_records
+from _agents import JOIN, WORKER, pid_alive, stop, wait_for, worker_records
 from _launcher import free_port
 
 pytestmark = pytest.mark.timeout(900)  # real processes: slow on a loaded machine
@@ -122,7 +122,7 @@ def test_a_second_sigterm_stops_a_leaving_agent_at_once(agents: Any, rdzv: Any) 
     nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 1))
     rdzv.running(3)
     stuck, leaving = nodes[1], nodes[2]
-    stuck.signal(signal.SIGSTOP)  # the others cannot form the next round: the leave lasts
+    stop(stuck, rdzv)  # the others cannot form the next round: the leave lasts
     try:
         leaving.signal(signal.SIGTERM)
         wait_for(lambda: "leaving the job" in leaving.output(), 60, "the leave announcement")

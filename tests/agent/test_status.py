@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from _agents import JOIN, rdzv_cli, wait_for
+from _agents import JOIN, rdzv_cli, stop, wait_for
 from _launcher import EXAMPLES
 
 EXAMPLE = str(EXAMPLES / "print_rank.py")
@@ -83,7 +83,7 @@ def test_status_shows_a_node_that_leaves(agents: Any, rdzv: Any) -> None:
     nodes = rdzv.start(agents, 3, rdzv.until_stopped("2:3", 1))
     rdzv.running(3)
     stuck, leaver = nodes[1], nodes[2]
-    stuck.signal(signal.SIGSTOP)  # the others cannot move on: the leaver stays leaving
+    stop(stuck, rdzv)  # the others cannot move on: the leaver stays leaving
     try:
         leaver.signal(signal.SIGTERM)
         leaving = wait_for(lambda: (s := status_json(rdzv))["members"] and

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import rdzv.torch
+from _program import finish, run
 
 
 def main() -> None:
@@ -83,14 +83,8 @@ def main() -> None:
     state.run(train)
     if state.left:
         return
-    check(state)
-    rdzv.torch.destroy_process_group()  # a barrier, then torch's (see its docstring)
-    if state.rank == 0:
-        print(f"done: {state.step} steps", flush=True)
+    finish(state, check)
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()  # no torch destructors at exit (see rdzv.torch.destroy_process_group)
-    sys.stderr.flush()
-    os._exit(0)
+    run(main)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import rdzv.torch
+from _program import finish, run
 
 
 def replicas_agree(model: nn.Module) -> bool:
@@ -78,14 +78,8 @@ def main() -> None:
     state.run(train)
     if state.left:
         return
-    check(state)
-    rdzv.torch.destroy_process_group()
-    if state.rank == 0:
-        print(f"done: {state.step} steps", flush=True)
+    finish(state, check)
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()  # no torch destructors at exit (see rdzv.torch.destroy_process_group)
-    sys.stderr.flush()
-    os._exit(0)
+    run(main)

@@ -1,0 +1,29 @@
+"""What the test programs under ``rdzv run`` share: their end (a last check, the group left,
+rank 0's last line) and their exit without torch's destructors."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import rdzv.torch
+
+
+def finish(state: rdzv.torch.ElasticState, check: Callable[[rdzv.torch.ElasticState], None]
+           ) -> None:
+    """The end of a program whose node did not leave: check the state once more, leave the
+    group, and rank 0 says how many steps were done."""
+    check(state)
+    rdzv.torch.destroy_process_group()  # a barrier, then torch's (see its docstring)
+    if state.rank == 0:
+        print(f"done: {state.step} steps", flush=True)
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run ``main`` and exit at once: no torch destructors at exit (see
+    rdzv.torch.destroy_process_group)."""
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
