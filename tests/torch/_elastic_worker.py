@@ -80,10 +80,7 @@ def main() -> None:
                 with state.outside_steps():
                     time.sleep(args.outside_seconds)
 
-    state.run(train)
-    if state.left:
-        return
-    finish(state, check)
+    finish(state, train, check)
 
 
 if __name__ == "__main__":

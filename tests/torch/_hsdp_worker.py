@@ -75,10 +75,7 @@ def main() -> None:
                 time.sleep(args.slow_seconds)
             time.sleep(args.step_sleep)
 
-    state.run(train)
-    if state.left:
-        return
-    finish(state, check)
+    finish(state, train, check)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,13 @@ from typing import Callable
 import rdzv.torch
 
 
-def finish(state: rdzv.torch.ElasticState, check: Callable[[rdzv.torch.ElasticState], None]
-           ) -> None:
-    """The end of a program whose node did not leave: check the state once more, leave the
-    group, and rank 0 says how many steps were done."""
+def finish(state: rdzv.torch.ElasticState, train: Callable[[], None],
+           check: Callable[[rdzv.torch.ElasticState], None]) -> None:
+    """Run the training loop (``state.run``); then, unless the node left, check the state once
+    more, leave the group, and rank 0 says how many steps were done."""
+    state.run(train)
+    if state.left:
+        return
     check(state)
     rdzv.torch.destroy_process_group()  # a barrier, then torch's (see its docstring)
     if state.rank == 0:

@@ -45,6 +45,14 @@ def _sockets() -> dict[int, str]:
     return found
 
 
+def abort_communicator(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Abort ``group``'s NCCL communicator (``ncclCommAbort``): its pending work fails."""
+    try:
+        group._get_backend(device).abort()
+    except (RuntimeError, AttributeError) as exc:
+        logger.warning("cannot abort the NCCL communicators: %s", exc)
+
+
 class GroupSockets:
     """The sockets of this process's process groups, to shut down when the group must be aborted:
     those of the current group, and those a group being created (or its store being prepared)
@@ -99,10 +107,7 @@ class GroupSockets:
             targets = {**self._tracked, **self._opened_by_creations()}
             self._aborted = set(targets.values())
         if dist.is_initialized() and dist.get_backend() == "nccl":
-            try:
-                dist.group.WORLD._get_backend(torch.device("cuda")).abort()  # type: ignore[union-attr]
-            except (RuntimeError, AttributeError) as exc:
-                logger.warning("cannot abort the NCCL communicators: %s", exc)
+            abort_communicator(dist.group.WORLD, torch.device("cuda"))  # type: ignore[arg-type]
         return self._shut_down(targets)
 
     def cut_creations(self) -> int:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import RendezvousParameterError
-from ._abort import GroupSockets
+from ._abort import GroupSockets, abort_communicator
 from ._group import SwitchError, entering_hooks, group_options, group_sockets
 
 logger = logging.getLogger(__name__)
@@ -118,10 +118,7 @@ class NodeGroup:
         this group (see the module's docstring); the node makes it anew in its next group."""
         self.broken = True
         if self.backend == "nccl":
-            try:
-                self.pg._get_backend(self.device).abort()
-            except (RuntimeError, AttributeError) as exc:
-                logger.warning("cannot abort the node group's NCCL communicator: %s", exc)
+            abort_communicator(self.pg, self.device)
             return
         count = self._sockets.close_current()
         logger.debug("the node's group cut: %d socket(s) shut down", count)
