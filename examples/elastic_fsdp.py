@@ -120,11 +120,10 @@ def main() -> None:
 
     device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
-    # Set up before joining the group: a newcomer to a running job waits in init_process_group
-    # until the others switch, so what it does before costs them nothing (building the model;
-    # the first optimizer of a process is slow to create, so make one here).
+    # Set up before ElasticState: a newcomer node's workers do it in a provisional group of
+    # their own (init_process_group makes it) and join the running job in ElasticState, so
+    # building, sharding and the optimizer cost the running workers nothing.
     model = Net(args.model_mb).to(device)
-    torch.optim.AdamW([nn.Parameter(torch.zeros(1, device=device))])
     rdzv.torch.init_process_group(args.backend)
     mesh = rdzv.torch.node_mesh()  # this node's workers: FSDP2 shards within, nodes are replicas
     for layer in [*model.layers, model.frozen]:  # (each gathered only when it computes)

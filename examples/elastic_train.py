@@ -189,8 +189,9 @@ def main() -> None:
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
     model = make_model(args.model_mb).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # Set up before joining the group: a newcomer to a running job waits in init_process_group
-    # until the others switch, so what it has done before costs them nothing.
+    # Set up before joining the group, which a newcomer to a running job does in ElasticState
+    # (or, started again alone while its node's other workers run, in init_process_group): what
+    # it has done before costs the running workers nothing.
     rdzv.torch.init_process_group(args.backend)
     # A newcomer to a running job receives model, optimizer and step from a running worker here;
     # everyone else (the first start, a restart, torchrun) resumes from the checkpoint.

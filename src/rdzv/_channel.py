@@ -30,6 +30,10 @@ ENV_CHANNEL = "RDZV_AGENT_CHANNEL"
 ENV_JOIN = "RDZV_INPROCESS_JOIN"
 """Set (to 1) for a worker started to join a running group in-process: it holds no state and
 takes its rank and group from its agent's :class:`~._messages.Plan`, not from its environment."""
+ENV_JOIN_STORE = "RDZV_JOIN_STORE"
+"""Set with :data:`ENV_JOIN` when every worker of the node starts to join at once: a file the
+node's workers share as the store of a provisional group of their own, in which they set up
+(shard the model over their node, warm up) before the running workers pause for them."""
 MAX_LINE = 1 << 20
 STACKS_SIGNAL = signal.SIGUSR2
 """On this signal a worker using the in-process API writes the Python stack of every thread to

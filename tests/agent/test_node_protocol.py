@@ -390,6 +390,7 @@ def test_a_crashed_worker_is_absent_until_warm_then_fresh() -> None:
 def test_a_sharded_node_restarts_its_workers_together_counted_once() -> None:
     node, acts = step(replace(sharded(), phase=Phase.RUNNING), Exited(1, -signal.SIGKILL), NOW,
                       RULES)
+    replaced = [a.args for a in acts if a.what == "replace"]
     assert node.restarts == 1 and [s.state for s in node.slots] == [Worker.ENDING,
                                                                      Worker.STARTING]
     assert "restarting the node's 2 workers, which shard the model together" in acts[0].args[0]
@@ -397,6 +398,27 @@ def test_a_sharded_node_restarts_its_workers_together_counted_once() -> None:
     node, acts = step(node, Exited(0, -signal.SIGKILL), NOW, RULES)
     assert node.restarts == 1 and whats(acts) == ["replace"]
     assert [s.state for s in node.slots] == [Worker.STARTING, Worker.STARTING]
+    # both started again set up in one provisional group (the file of the node's restart 1)
+    replaced += [a.args for a in acts if a.what == "replace"]
+    assert replaced == [(1, 1), (0, 1)]
+
+
+def test_a_worker_joining_with_its_node_crashes_while_they_set_up_together() -> None:
+    """Workers started to join set up in one provisional group: one that dies there takes the
+    others with it, and all start again in a new one; a worker joining alone, its node's others
+    running, sets up in none."""
+    joining = replace(running(nproc=2), slots=(Slot(Worker.FRESH, join=True),
+                                               Slot(Worker.STARTING, join=True)), restarts=2)
+    node, acts = step(joining, Exited(1, -signal.SIGKILL), NOW, RULES)
+    assert whats(acts) == ["replace", "kill", "join"] and node.restarts == 3
+    assert [a.args for a in acts if a.what == "replace"] == [(1, 3)]
+    assert [s.state for s in node.slots] == [Worker.ENDING, Worker.STARTING]
+    node, acts = step(replace(node, phase=Phase.RUNNING), Exited(0, -signal.SIGKILL), NOW, RULES)
+    assert [a.args for a in acts if a.what == "replace"] == [(0, 3)]
+    alone = replace(running(nproc=2), slots=(Slot(Worker.RUNNING, step=40),
+                                             Slot(Worker.STARTING, join=True)))
+    node, acts = step(alone, Exited(1, -signal.SIGKILL), NOW, RULES)
+    assert [a.args for a in acts if a.what in ("replace", "kill")] == [(1, None)]
 
 
 def test_restarts_are_bounded_by_max_restarts() -> None:

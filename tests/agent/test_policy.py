@@ -26,6 +26,10 @@ def test_a_worker_started_to_join_takes_its_ranks_from_its_plan() -> None:
     env = worker_env(config, None, 0, 1, {"RANK": "3", "MASTER_PORT": "9", "PATH": "/bin"})
     assert env["RDZV_INPROCESS_JOIN"] == "1" and env["LOCAL_RANK"] == "0"
     assert "RANK" not in env and "MASTER_PORT" not in env and env["PATH"] == "/bin"
+    assert "RDZV_JOIN_STORE" not in env  # (alone: it waits for the switch in init_process_group)
+    together = worker_env(config, None, 0, 1, {"RDZV_JOIN_STORE": "/old"}, "/logs/join.store")
+    assert together["RDZV_JOIN_STORE"] == "/logs/join.store"  # its node's provisional group
+    assert "RDZV_JOIN_STORE" not in worker_env(config, None, 0, 1, {"RDZV_JOIN_STORE": "/old"})
 
 
 def test_a_node_marked_done_twice_still_waits_for_the_others() -> None:

@@ -4,8 +4,9 @@ for the tests of a node's workers leaving a step at different points.
 ``--slow-file F --slow-seconds T``: once F exists, local rank 0 of every node sleeps T s at
 the end of each step, after the optimizer's step (data loading, say), and says so first; its
 node's other workers meanwhile wait for it in the next step's first all-gather (FSDP2's, over
-the node's group). After every change of group, and at the end, global rank 0 prints whether
-the replicas agree.
+the node's group). ``--setup-seconds T``: a slow set-up, T s between ``init_process_group`` and
+``ElasticState`` (sharding a large model, loading data). After every change of group, and at the
+end, global rank 0 prints whether the replicas agree.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.02)
     parser.add_argument("--slow-file", default=None)
     parser.add_argument("--slow-seconds", type=float, default=1.0)
+    parser.add_argument("--setup-seconds", type=float, default=0.0)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
@@ -47,6 +49,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    time.sleep(args.setup_seconds)
     state = rdzv.torch.ElasticState(model=model, optimizer=optimizer)
     local_rank = int(os.environ["LOCAL_RANK"])
 

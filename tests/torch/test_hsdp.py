@@ -217,3 +217,37 @@ def test_a_recovery_taken_between_steps_frees_a_local_peer_waiting_in_the_next_s
     assert "ends itself" not in text, text[-8000:]
     assert "world size 2 at step" in text and "DIFFERENT" not in text, text[-8000:]
     assert "done: 300 steps" in text, text[-8000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_newcomers_set_up_before_its_state_costs_the_running_workers_nothing(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """A newcomer node's workers set up (shard the model over their node, make the optimizer,
+    and here 4 s more of a slow set-up) in a provisional group of their own, and only then ask
+    to join: the running workers switch in well under those 4 s, where they used to wait in
+    the switch for the newcomer's set-up."""
+    args = [*RDZV_RUN, "--nnodes", "2:3", "--nproc-per-node", "2", "--rdzv-backend", "tcp",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "hsdp-setup",
+            "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
+            "--stop-timeout", "5", "--max-restarts", "0", str(Path(__file__).parent /
+                                                              "_hsdp_worker.py"),
+            "--steps", "100000", "--setup-seconds", "4"]
+    nodes = [launcher.start(args), launcher.start(args)]
+    phase(lambda: "step 10 world_size 4" in nodes[0].output() + nodes[1].output(),
+          "10 steps of 2 nodes", *nodes)
+    nodes.append(launcher.start(args))
+    joined = r"switched in (\d+) ms at step (\d+): 3 node\(s\), world size 6"
+    phase(lambda: re.search(joined, nodes[0].output()), "the join", *nodes)
+    phase(lambda: "world size 6 at step" in nodes[0].output(), "the check after the join",
+          *nodes)
+    text = nodes[0].output()
+    for node in nodes:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(PHASE_TIMEOUT)
+    match = re.search(joined, text)
+    assert match and int(match.group(1)) < 2000, text[-8000:]
+    assert re.search(rf"world size 6 at step {match.group(2)}: replicas identical", text), \
+        text[-8000:]
+    assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text[-8000:]
+    assert "the workers joined the running group" in nodes[2].output(), \
+        nodes[2].output()[-5000:]

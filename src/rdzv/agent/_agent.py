@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
-from .._channel import ENV_CHANNEL, ENV_JOIN
+from .._channel import ENV_CHANNEL, ENV_JOIN, ENV_JOIN_STORE
 from .._clock import SYSTEM_CLOCK, Clock
 from ..errors import RendezvousError
 from ..rendezvous import RendezvousHandler
@@ -36,11 +36,14 @@ SIGNALLED_LEAVE = 3.0
 
 
 def worker_env(config: LaunchConfig, assignment: Assignment | None, local_rank: int,
-               restarts: int, base: Mapping[str, str]) -> dict[str, str]:
+               restarts: int, base: Mapping[str, str],
+               join_store: str | None = None) -> dict[str, str]:
     """The environment of one worker, with the variables torch's workers expect.
 
     Without ``assignment`` the worker joins a running group in-process: its rank, world size
-    and master come from its agent's plan (``rdzv.torch.init_process_group`` sets them then).
+    and master come from its agent's plan (``rdzv.torch.init_process_group`` sets them then);
+    ``join_store``: every worker of the node joins, and they share that file as the store of a
+    provisional group of their own until then.
     """
     env = dict(base)
     nproc = config.nproc_per_node
@@ -54,8 +57,11 @@ def worker_env(config: LaunchConfig, assignment: Assignment | None, local_rank: 
         TORCHELASTIC_USE_AGENT_STORE="False",
         TORCH_NCCL_ASYNC_ERROR_HANDLING=base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
+    env.pop(ENV_JOIN_STORE, None)
     if assignment is None:
         env[ENV_JOIN] = "1"
+        if join_store is not None:
+            env[ENV_JOIN_STORE] = join_store
         for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
@@ -152,13 +158,17 @@ class ElasticAgent:
                 self._shutdown_handler()
 
     def start_workers(self, group: WorkerGroup, local_ranks: list[int],
-                      assignment: Assignment | None, restarts: int, channel_path: str) -> None:
+                      assignment: Assignment | None, restarts: int, channel_path: str,
+                      together: str | None = None) -> None:
         """Start the workers ``local_ranks`` in ``group``: with ``assignment``'s ranks, or
-        (None) to join a running group in-process; they speak to the agent on ``channel_path``."""
+        (None) to join a running group in-process; they speak to the agent on ``channel_path``.
+        ``together``: every worker of the node joins, set up first in a provisional group of
+        theirs whose store is the file of that name (in the attempt's directory)."""
         channel = {ENV_CHANNEL: channel_path}
+        join_store = os.path.join(group.attempt_dir, together) if together else None
         specs = [WorkerSpec(lr, assignment.rank_offset + lr if assignment else -1,
                             worker_env(self.config, assignment, lr, restarts,
-                                       {**os.environ, **channel}))
+                                       {**os.environ, **channel}, join_store))
                  for lr in local_ranks]
         group.start(specs)
         pids = ", ".join(str(group.pids()[lr]) for lr in local_ranks)

@@ -90,12 +90,15 @@ class Crew:
         self.group = self._agent.new_group(self._incarnation)
         self._forget()
         self._agent.start_workers(self.group, list(range(self._agent.config.nproc_per_node)),
-                                  assignment, restarts, self._link.path)
+                                  assignment, restarts, self._link.path,
+                                  "join.store" if assignment is None else None)
 
-    def replace(self, local_rank: int, restarts: int) -> None:
-        """Start one worker again (its process died), to join the running group."""
+    def replace(self, local_rank: int, restarts: int, batch: int | None) -> None:
+        """Start one worker again (its process died), to join the running group: with the
+        node's other workers started to join in ``batch`` (one provisional group), or alone."""
         assert self.group is not None
-        self._agent.start_workers(self.group, [local_rank], None, restarts, self._link.path)
+        self._agent.start_workers(self.group, [local_rank], None, restarts, self._link.path,
+                                  None if batch is None else f"join-{batch}.store")
 
     def stop(self, signum: int, timeout: float) -> None:
         """Stop every worker: API workers hear it on the channel first (a SIGTERM alone is

@@ -44,8 +44,10 @@ class NodeHost(Protocol):
         """An empty worker group whose exits are tagged ``generation``."""
 
     def start_workers(self, group: WorkerGroup, local_ranks: list[int],
-                      assignment: Assignment | None, restarts: int, channel_path: str) -> None:
-        """Start the workers ``local_ranks`` in ``group``, speaking on ``channel_path``."""
+                      assignment: Assignment | None, restarts: int, channel_path: str,
+                      together: str | None = None) -> None:
+        """Start the workers ``local_ranks`` in ``group``, speaking on ``channel_path``
+        (``together``: joiners set up in one provisional group, through that file)."""
 
     def failure(self, group: WorkerGroup, local_rank: int, code: int) -> WorkerFailure:
         """What is known of a worker that failed."""

@@ -373,8 +373,8 @@ class NodeRun:
     def _act_let_go(self) -> None:
         self.crew.let_go(self.config.stop_timeout)
 
-    def _act_replace(self, local_rank: int) -> None:
-        self.crew.replace(local_rank, self.node.restarts)
+    def _act_replace(self, local_rank: int, batch: int | None) -> None:
+        self.crew.replace(local_rank, self.node.restarts, batch)
 
     def _act_kill(self, local_rank: int) -> None:
         self.crew.kill(local_rank)

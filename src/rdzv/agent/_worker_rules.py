@@ -143,8 +143,11 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if not 0 <= lr < len(node.slots) or node.slots[lr].state in (Worker.DONE, Worker.LEFT,
                                                                   Worker.GONE):
         return node, []
+    joining = node.slots[lr].join and node.slots[lr].state in (Worker.STARTING, Worker.FRESH)
+    # (started to join, not in yet: it sets up in a provisional group with its node's joiners)
     if node.slots[lr].state is Worker.ENDING and event.code != 0:  # (to start with the others)
-        return with_slot(node, lr, state=Worker.STARTING, join=True), [act("replace", lr)]
+        node = with_slot(node, lr, state=Worker.STARTING, join=True)
+        return node, [act("replace", lr, batch(node))]
     leaving = node.leave is not None and node.leave.announced
     if event.code == 0:
         node = with_slot(node, lr, state=Worker.LEFT if leaving else Worker.DONE)
@@ -175,15 +178,19 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     node = with_slot(replace(node, restarts=restarts, failures=node.failures + (who,),
                              started=now), lr, state=Worker.STARTING, step=None, join=True)
     # a sharded model: the node's other workers hold parts of a state that is whole nowhere
-    # on it now; they end and start again too, and all join from another node's replica
-    peers = [p for p, s in enumerate(node.slots) if node.sharded and s.state in (
-        Worker.RUNNING, Worker.ENTERED, Worker.BROKEN)]
+    # on it now; they end and start again too, and all join from another node's replica. And
+    # workers started to join with it, not yet in, set up in one provisional group with it:
+    # they start again with it too.
+    peers = [p for p, s in enumerate(node.slots) if p != lr and (
+        (node.sharded and s.state in (Worker.RUNNING, Worker.ENTERED, Worker.BROKEN)) or
+        (joining and s.join and s.state in (Worker.STARTING, Worker.FRESH)))]
     for peer in peers:
         node = with_slot(node, peer, state=Worker.ENDING, step=None)
     together = f"restarting the node's {len(peers) + 1} workers, which shard the model " \
         "together" if peers else "restarting it alone"
     acts = [say(f"{who}: {together} (restart {restarts} of {rules.max_restarts}); "
-                f"{'they join' if peers else 'it joins'} once warm"), act("replace", lr),
+                f"{'they join' if peers else 'it joins'} once warm"),
+            act("replace", lr, batch(node)),
             *(act("kill", peer) for peer in peers),
             act("event", "workers_restarted", {"restarts": restarts, "reason": who,
                                                "alone": not peers})]
@@ -202,6 +209,17 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
 
 
 # -- leaving --
+def batch(node: Node) -> int | None:
+    """The provisional group a worker started to join sets up in: its node's restart count
+    when every worker of the node starts to join (the others end to start again with it),
+    else None (the others run: it joins alone, waiting for the switch in
+    ``init_process_group``)."""
+    if all(s.state is Worker.ENDING or (s.state is Worker.STARTING and s.join)
+           for s in node.slots):
+        return node.restarts
+    return None
+
+
 def on_leave_failed(node: Node, event: LeaveFailed, now: float, rules: Rules) -> Result:
     signum = node.leave.signum if node.leave is not None else signals.SIGTERM
     return stop_now(node, signum, f", but {event.why}")

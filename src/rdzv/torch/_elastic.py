@@ -55,8 +55,10 @@ from ._group import (
     enter_group,
     first_line,
     group_sockets,
+    join_running_group,
     joined_plan,
     leave_group,
+    provisional,
 )
 from ._statesync import encode_tree, receive_state, send_state
 from ._steptime import StepTimer
@@ -110,6 +112,11 @@ class ElasticState:
             raise RendezvousParameterError(
                 "ElasticState needs torch.distributed started first: call "
                 "rdzv.torch.init_process_group() in a worker started by `rdzv run` or torchrun")
+        shards = _shards_of(model, optimizer)
+        if provisional():  # a newcomer set up in its node's own group: warm up, then join
+            if shards is not None:
+                shards.prepare()
+            join_running_group(str(dist.get_backend()))
         self.model = model
         self.optimizer = optimizer
         self.step = int(step)
@@ -136,7 +143,7 @@ class ElasticState:
         """Whether the workers of the current group are known to hold one state."""
         self._created = self._agreed = 0.0
         """When the group being entered was created, and its state agreed (perf_counter)."""
-        self._shards = _shards_of(model, optimizer)
+        self._shards = shards
         """The model's shards and replicas, for a model sharded over ``node_mesh()``."""
         self._link: AgentLink | None = agent_link()
         if self._link is None:
@@ -372,8 +379,7 @@ class ElasticState:
         try:
             if self._shards is not None:
                 self._shards.enter()
-            skeleton, tensors = encode_tree(self._tree())
-            digest = (0, 0, 0) if fresh else state_digest(skeleton, tensors)
+            digest = (0, 0, 0) if fresh else state_digest(*encode_tree(self._tree()))
             holdings = gather_holdings(self.step, fresh, digest, device)
             agreement = agree(holdings, decided, self._shards.node.size if self._shards else 1)
         except RendezvousStateError as exc:

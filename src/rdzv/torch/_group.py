@@ -24,7 +24,14 @@ from typing import IO, Any, Callable
 
 import torch.distributed as dist
 
-from .._channel import ENV_CHANNEL, ENV_JOIN, STACKS_SIGNAL, ChannelClient, stacks_file
+from .._channel import (
+    ENV_CHANNEL,
+    ENV_JOIN,
+    ENV_JOIN_STORE,
+    STACKS_SIGNAL,
+    ChannelClient,
+    stacks_file,
+)
 from .._messages import (
     Abort,
     Broken,
@@ -282,6 +289,25 @@ def _dump_stacks_on_signal(path: str) -> IO[str] | None:
 
 _link: AgentLink | None = None
 _joined: Plan | None = None
+_provisional = False
+"""Whether the default group is the provisional one of a node whose workers all join."""
+
+
+def start_provisional(backend: str, local_rank: int, size: int) -> None:
+    """Every worker of this node starts to join a running group (``RDZV_JOIN_STORE``): make
+    the node's workers a provisional default group of their own (ranks = local ranks), through
+    the file the agent named. They set up in it (shard the model over :func:`node_mesh`, warm
+    up) while the running workers train; :class:`ElasticState` then joins the job's group."""
+    global _provisional
+    store = dist.FileStore(os.environ[ENV_JOIN_STORE], size)
+    dist.init_process_group(backend, store=store, rank=local_rank, world_size=size,
+                            timeout=group_options["timeout"], **group_options["kwargs"])
+    _provisional = True
+
+
+def provisional() -> bool:
+    """Whether this worker is set up in its node's provisional group and has yet to join."""
+    return _provisional
 
 
 def joined_plan() -> Plan | None:
@@ -292,9 +318,10 @@ def joined_plan() -> Plan | None:
 
 def join_running_group(backend: str) -> tuple[int, int]:
     """A worker started to join a running group (``RDZV_INPROCESS_JOIN``): tell the agent it is
-    up (warm), wait for its plan and enter the group it names; a group that fails to form is
-    reported and the next plan awaited. Returns (rank, world size)."""
-    global _joined
+    up (warm), wait for its plan and enter the group it names (leaving its provisional group);
+    a group that fails to form is reported and the next plan awaited. Returns (rank, world
+    size)."""
+    global _joined, _provisional
     link = agent_link(fresh=True)
     if link is None:
         raise RendezvousParameterError(
@@ -308,6 +335,8 @@ def join_running_group(backend: str) -> tuple[int, int]:
             sys.stderr.flush()
             os._exit(0)
         try:
+            leave_group()  # (the provisional one, if any)
+            _provisional = False
             enter_group(backend, plan, aborts)
         except GroupLost as exc:
             link.send(Broken(0, fresh=True, round=plan.round, error=first_line(exc)))

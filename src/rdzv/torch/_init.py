@@ -9,10 +9,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._channel import ENV_JOIN
+from .._channel import ENV_JOIN, ENV_JOIN_STORE
 from ..errors import RendezvousParameterError
 from ..store import Store
-from ._group import group_options, group_sockets, join_running_group
+from ._group import group_options, group_sockets, join_running_group, start_provisional
+from ._nodegroup import local_world
 from ._store import TorchStore
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,11 @@ def init_process_group(
     to ``torch.distributed.init_process_group``.
 
     A worker that ``rdzv run`` started to join a running group in-process (a newcomer: its
-    environment has ``RDZV_INPROCESS_JOIN``) tells its agent that it is up, then waits here
-    until the running workers switch to the new group (see :class:`ElasticState`).
+    environment has ``RDZV_INPROCESS_JOIN``) joins it in :class:`ElasticState`, warm: when
+    every worker of its node joins, this starts a provisional group of the node's workers and
+    returns ``(local rank, local world size)``, so that what comes before ``ElasticState``
+    (sharding the model over :func:`node_mesh`, making the optimizer) costs the running workers
+    nothing; a worker that joins alone (its node's others run) waits here for the switch.
 
     Raises:
         RendezvousParameterError: rank or world size is unknown or invalid (the message says
@@ -71,6 +75,12 @@ def init_process_group(
     timeout = timeout or DEFAULT_TIMEOUT
     group_options.update(timeout=timeout, kwargs=dict(kwargs))
     if store is None and os.environ.get(ENV_JOIN):
+        if os.environ.get(ENV_JOIN_STORE):
+            local_rank, size = local_world()
+            start_provisional(backend, local_rank, size)
+            logger.info("started the node's provisional group %s (rank %d of %d) to join the "
+                        "running group warm", backend, local_rank, size)
+            return local_rank, size
         rank, world_size = join_running_group(backend)
         logger.info("joined the running group %s: rank %d of %d", backend, rank, world_size)
         return rank, world_size
