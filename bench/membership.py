@@ -226,6 +226,8 @@ def run_job(launcher: str, model_mb: float, args: argparse.Namespace) -> dict[st
     timeout = args.phase_timeout
     jobs: list[Job] = []
     with tempfile.TemporaryDirectory(prefix="rdzv-bench-membership-") as temporary:
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
         work = tempfile.mkdtemp(prefix=f"{launcher}-{model_mb:g}MB-", dir=args.keep or temporary)
         try:
             jobs.append(Job(launcher, model_mb, work, args))
