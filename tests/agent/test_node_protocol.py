@@ -407,18 +407,26 @@ def test_a_worker_joining_with_its_node_crashes_while_they_set_up_together() -> 
     """Workers started to join set up in one provisional group: one that dies there takes the
     others with it, and all start again in a new one; a worker joining alone, its node's others
     running, sets up in none."""
-    joining = replace(running(nproc=2), slots=(Slot(Worker.FRESH, join=True),
-                                               Slot(Worker.STARTING, join=True)), restarts=2)
+    joining = replace(running(nproc=2), slots=(Slot(Worker.FRESH, join=True, batch=2),
+                                               Slot(Worker.STARTING, join=True, batch=2)),
+                      restarts=2)
     node, acts = step(joining, Exited(1, -signal.SIGKILL), NOW, RULES)
     assert whats(acts) == ["replace", "kill", "join"] and node.restarts == 3
     assert [a.args for a in acts if a.what == "replace"] == [(1, 3)]
     assert [s.state for s in node.slots] == [Worker.ENDING, Worker.STARTING]
     node, acts = step(replace(node, phase=Phase.RUNNING), Exited(0, -signal.SIGKILL), NOW, RULES)
     assert [a.args for a in acts if a.what == "replace"] == [(0, 3)]
+    # one whose set-up failed (a peer's death broke their group): the same, not a restart of all
+    node, acts = step(joining, Exited(0, 1), NOW, RULES)
+    assert whats(acts) == ["replace", "kill", "join"] and node.restarts == 3
+    # started again alone, its node's other worker running: it sets up in no group
     alone = replace(running(nproc=2), slots=(Slot(Worker.RUNNING, step=40),
                                              Slot(Worker.STARTING, join=True)))
     node, acts = step(alone, Exited(1, -signal.SIGKILL), NOW, RULES)
     assert [a.args for a in acts if a.what in ("replace", "kill")] == [(1, None)]
+    # ... and the other dies before the first is in: each alone still (they never met)
+    node, acts = step(replace(node, phase=Phase.RUNNING), Exited(0, -signal.SIGKILL), NOW, RULES)
+    assert [a.args for a in acts if a.what in ("replace", "kill")] == [(0, None)]
 
 
 def test_restarts_are_bounded_by_max_restarts() -> None:

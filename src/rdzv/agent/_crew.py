@@ -91,7 +91,7 @@ class Crew:
         self._forget()
         self._agent.start_workers(self.group, list(range(self._agent.config.nproc_per_node)),
                                   assignment, restarts, self._link.path,
-                                  "join.store" if assignment is None else None)
+                                  f"join-{restarts}.store" if assignment is None else None)
 
     def replace(self, local_rank: int, restarts: int, batch: int | None) -> None:
         """Start one worker again (its process died), to join the running group: with the

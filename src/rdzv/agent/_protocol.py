@@ -101,6 +101,9 @@ class Slot:
     join: bool = False
     """Started to join a running group (it takes its rank from its plan): nobody waits for it;
     it is absent from the rounds until it is warm (connected), then its node brings it in."""
+    batch: int | None = None
+    """A joiner started with every other worker of its node: the provisional group they set up
+    in together (numbered by the node's restarts; None: it joins alone)."""
 
     def report(self, inprocess: bool | None) -> SlotState:
         """What the node's record says of this slot. ``inprocess``: whether the node's workers

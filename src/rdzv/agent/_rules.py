@@ -101,8 +101,8 @@ def _on_hinted(node: Node, event: Hinted, now: float, rules: Rules) -> Result:
     if node.inprocess is None:  # the job's program is this node's: whether it uses the API
         node = replace(node, inprocess=event.inprocess)
     if event.inprocess and not rules.restart_on_change:
-        slots = tuple(replace(s, state=Worker.STARTING, step=None, join=True)
-                      for s in node.slots)
+        slots = tuple(replace(s, state=Worker.STARTING, step=None, join=True,
+                              batch=node.restarts) for s in node.slots)
         moved, acts = settle(replace(node, slots=slots, inprocess=True, started=now), [])
         return moved, [say("the job runs in-process: starting the workers now; they join it "
                             "once warm"), act("start", True), *acts]
@@ -168,7 +168,7 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
                                                         node.restart_why})]
         else:
             acts.append(say(f"restarting the workers in the new round: {decision.why}"))
-    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False)
+    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False, batch=None)
                   for s in node.slots)
     node = replace(node, phase=Phase.RUNNING, slots=slots, restarts=restarts, restart_why=None,
                    restart_cause="", failed_transitions=0, entered_at=None,

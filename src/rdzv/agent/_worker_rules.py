@@ -57,7 +57,7 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         node = replace(node, inprocess=True)
         slots = list(node.slots)
         slots[lr] = Slot(state=Worker.FRESH if slot.join or message.fresh else Worker.RUNNING,
-                         sampled=now, join=slot.join)
+                         sampled=now, join=slot.join, batch=slot.batch)
         return on_hello(replace(node, slots=tuple(slots)), lr, now, rules)
     if isinstance(message, Progress):
         step_time = message.step_time
@@ -143,11 +143,13 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if not 0 <= lr < len(node.slots) or node.slots[lr].state in (Worker.DONE, Worker.LEFT,
                                                                   Worker.GONE):
         return node, []
-    joining = node.slots[lr].join and node.slots[lr].state in (Worker.STARTING, Worker.FRESH)
-    # (started to join, not in yet: it sets up in a provisional group with its node's joiners)
-    if node.slots[lr].state is Worker.ENDING and event.code != 0:  # (to start with the others)
-        node = with_slot(node, lr, state=Worker.STARTING, join=True)
-        return node, [act("replace", lr, batch(node))]
+    crashed = node.slots[lr]
+    set_up_with = crashed.batch if crashed.join and crashed.state in (Worker.STARTING,
+                                                                      Worker.FRESH) else None
+    # (started to join with its node's others, not in yet: they set up in one group)
+    if crashed.state is Worker.ENDING and event.code != 0:  # (to start with the others)
+        node = with_slot(node, lr, state=Worker.STARTING, join=True, batch=batch(node, lr))
+        return node, [act("replace", lr, node.slots[lr].batch)]
     leaving = node.leave is not None and node.leave.announced
     if event.code == 0:
         node = with_slot(node, lr, state=Worker.LEFT if leaving else Worker.DONE)
@@ -172,7 +174,7 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if node.restarts >= rules.max_restarts:
         return fail(node, f"workers failed after {node.restarts} restart(s) (--max-restarts "
                            f"{rules.max_restarts})")
-    if event.code > 0 or not node.inprocess or rules.restart_on_change:
+    if (event.code > 0 and set_up_with is None) or not node.inprocess or rules.restart_on_change:
         return after_failure(node, who, now, rules)
     restarts = node.restarts + 1
     node = with_slot(replace(node, restarts=restarts, failures=node.failures + (who,),
@@ -183,14 +185,17 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     # they start again with it too.
     peers = [p for p, s in enumerate(node.slots) if p != lr and (
         (node.sharded and s.state in (Worker.RUNNING, Worker.ENTERED, Worker.BROKEN)) or
-        (joining and s.join and s.state in (Worker.STARTING, Worker.FRESH)))]
+        (set_up_with is not None and s.batch == set_up_with and
+         s.state in (Worker.STARTING, Worker.FRESH)))]
     for peer in peers:
         node = with_slot(node, peer, state=Worker.ENDING, step=None)
-    together = f"restarting the node's {len(peers) + 1} workers, which shard the model " \
-        "together" if peers else "restarting it alone"
+    node = with_slot(node, lr, batch=batch(node, lr))
+    why = "shard the model" if node.sharded else "set up to join"
+    together = f"restarting the node's {len(peers) + 1} workers, which {why} together" \
+        if peers else "restarting it alone"
     acts = [say(f"{who}: {together} (restart {restarts} of {rules.max_restarts}); "
                 f"{'they join' if peers else 'it joins'} once warm"),
-            act("replace", lr, batch(node)),
+            act("replace", lr, node.slots[lr].batch),
             *(act("kill", peer) for peer in peers),
             act("event", "workers_restarted", {"restarts": restarts, "reason": who,
                                                "alone": not peers})]
@@ -209,13 +214,13 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
 
 
 # -- leaving --
-def batch(node: Node) -> int | None:
-    """The provisional group a worker started to join sets up in: its node's restart count
-    when every worker of the node starts to join (the others end to start again with it),
-    else None (the others run: it joins alone, waiting for the switch in
-    ``init_process_group``)."""
-    if all(s.state is Worker.ENDING or (s.state is Worker.STARTING and s.join)
-           for s in node.slots):
+def batch(node: Node, lr: int) -> int | None:
+    """The provisional group worker ``lr``, started again to join, sets up in: its node's
+    restart count when every other worker of the node starts again with it (ending, or
+    started in that batch already), else None (the others run: it joins alone, waiting for
+    the switch in ``init_process_group``)."""
+    if all(s.state is Worker.ENDING or (s.state is Worker.STARTING and s.batch == node.restarts)
+           for p, s in enumerate(node.slots) if p != lr):
         return node.restarts
     return None
 

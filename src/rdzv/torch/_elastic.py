@@ -94,8 +94,10 @@ class ElasticState:
     Give it what a newcomer must receive from a running worker: ``model`` (a module),
     ``optimizer`` and ``step`` (the number of completed steps), plus any values (numbers,
     strings, lists, dicts, tensors) as keywords, read back from :attr:`values`. Create it after
-    ``rdzv.torch.init_process_group()`` and before anything else that uses the process group
-    (DDP): on a newcomer the constructor receives the state from a running worker.
+    ``rdzv.torch.init_process_group()`` and the set-up (building and sharding the model, making
+    the optimizer), before anything that uses the job's process group (DDP): on a newcomer the
+    constructor joins the running group (a newcomer node's workers set up in a provisional group
+    of their own until then) and receives the state from a running worker.
 
     Drive the loop with ``for step in state.steps(total)`` (or call :meth:`step_done` after
     each step), inside a function given to :meth:`run` so that the loss of a node is survived
@@ -155,10 +157,11 @@ class ElasticState:
         self._link.where = self._where
         if self._shards is not None:
             self._link.send(Shards())  # a crash restarts the node's workers together
-        plan = joined_plan()
-        if plan is None:
+        joined = joined_plan()
+        if joined is None:
             self._link.send(Progress(self.step))
             return
+        plan, self._aborts = joined
         started = time.perf_counter()  # a newcomer: it takes the state of the group it joined
         while True:
             try:

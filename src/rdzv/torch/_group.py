@@ -4,7 +4,8 @@ round's own store prefix.
 
 The plans of the agent (``rdzv._messages.Plan``) arrive on the channel's thread and wait here
 for the training thread, which takes the newest one when it can act on it: at a step boundary,
-when its group failed, or (a worker started to join) in ``init_process_group``. An ``Abort``
+when its group failed, or (a worker started to join) in ``ElasticState`` (after setting up in
+its node's provisional group) or, started alone, in ``init_process_group``. An ``Abort``
 drops a plan not yet taken (its round was abandoned) and shuts down the sockets of every group
 of the process, also one being created, so whatever waits on a lost peer fails at once.
 """
@@ -288,7 +289,7 @@ def _dump_stacks_on_signal(path: str) -> IO[str] | None:
 
 
 _link: AgentLink | None = None
-_joined: Plan | None = None
+_joined: tuple[Plan, int] | None = None
 _provisional = False
 """Whether the default group is the provisional one of a node whose workers all join."""
 
@@ -310,9 +311,10 @@ def provisional() -> bool:
     return _provisional
 
 
-def joined_plan() -> Plan | None:
-    """The plan of the group this worker joined when it started (None: it started with the
-    group, or under torchrun): :class:`ElasticState` then takes the group's state."""
+def joined_plan() -> tuple[Plan, int] | None:
+    """The plan of the group this worker joined when it started, and the aborts counted when
+    it took it (None: it started with the group, or under torchrun): :class:`ElasticState`
+    then takes the group's state."""
     return _joined
 
 
@@ -322,6 +324,8 @@ def join_running_group(backend: str) -> tuple[int, int]:
     a group that fails to form is reported and the next plan awaited. Returns (rank, world
     size)."""
     global _joined, _provisional
+    if _provisional:  # the node's joiners connect together: one is not brought in alone
+        dist.barrier()
     link = agent_link(fresh=True)
     if link is None:
         raise RendezvousParameterError(
@@ -341,7 +345,7 @@ def join_running_group(backend: str) -> tuple[int, int]:
         except GroupLost as exc:
             link.send(Broken(0, fresh=True, round=plan.round, error=first_line(exc)))
             continue
-        _joined = plan
+        _joined = plan, aborts
         return plan.rank, plan.world_size
 
 

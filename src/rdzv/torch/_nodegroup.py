@@ -5,8 +5,10 @@ it.
 FSDP2 and the device mesh hold a ``ProcessGroup`` object from the moment a module is sharded.
 Under ``rdzv run`` every membership change replaces the job's process group (a new default group
 under a fresh store prefix), which destroys every group registered with torch. This one is not
-registered there, so it lives on: it is made among the node's workers through the job's store of
-the moment (``node_mesh()``, a collective), its connections join only the node's own workers
+registered there, so it lives on: it is made among the node's workers through the store of the
+default group of the moment (``node_mesh()``, a collective: the job's group, or on a newcomer
+node the provisional group its workers set up in before they join, see ``init_process_group``),
+its connections join only the node's own workers
 (a worker that crashes takes its node's workers with it: they restart together), and planned
 switches leave it alone. In every group a worker enters (``enter_group``) the group's name is
 registered again with torch (functional collectives and DCP find a group by its name) and the
