@@ -49,7 +49,9 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    time.sleep(args.setup_seconds)
+    if args.setup_seconds:
+        print(f"pid {os.getpid()} sets up for {args.setup_seconds} s", flush=True)
+        time.sleep(args.setup_seconds)
     state = rdzv.torch.ElasticState(model=model, optimizer=optimizer)
     local_rank = int(os.environ["LOCAL_RANK"])
 
