@@ -220,47 +220,16 @@ def test_a_recovery_taken_between_steps_frees_a_local_peer_waiting_in_the_next_s
 
 
 @pytest.mark.timeout(600)
-def test_a_newcomers_set_up_before_its_state_costs_the_running_workers_nothing(
+def test_a_newcomer_node_sets_up_before_the_running_workers_pause_and_restarts_as_one(
         launcher: Launcher, tmp_path: Path) -> None:
     """A newcomer node's workers set up (shard the model over their node, make the optimizer,
     and here 4 s more of a slow set-up) in a provisional group of their own, and only then ask
-    to join: the running workers switch in well under those 4 s, where they used to wait in
-    the switch for the newcomer's set-up."""
+    to join: the running workers switch in well under those 4 s, where they used to wait in the
+    switch for the newcomer's set-up. One of them SIGKILLed while they set up takes its node's
+    other worker with it: both start again in a new provisional group and join; the running
+    nodes never restart and never wait for the dead one."""
     args = [*RDZV_RUN, "--nnodes", "2:3", "--nproc-per-node", "2", "--rdzv-backend", "tcp",
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "hsdp-setup",
-            "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
-            "--stop-timeout", "5", "--max-restarts", "0", str(Path(__file__).parent /
-                                                              "_hsdp_worker.py"),
-            "--steps", "100000", "--setup-seconds", "4"]
-    nodes = [launcher.start(args), launcher.start(args)]
-    phase(lambda: "step 10 world_size 4" in nodes[0].output() + nodes[1].output(),
-          "10 steps of 2 nodes", *nodes)
-    nodes.append(launcher.start(args))
-    joined = r"switched in (\d+) ms at step (\d+): 3 node\(s\), world size 6"
-    phase(lambda: re.search(joined, nodes[0].output()), "the join", *nodes)
-    phase(lambda: "world size 6 at step" in nodes[0].output(), "the check after the join",
-          *nodes)
-    text = nodes[0].output()
-    for node in nodes:
-        os.killpg(node.pid, signal.SIGKILL)
-        node.wait(PHASE_TIMEOUT)
-    match = re.search(joined, text)
-    assert match and int(match.group(1)) < 2000, text[-8000:]
-    assert re.search(rf"world size 6 at step {match.group(2)}: replicas identical", text), \
-        text[-8000:]
-    assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text[-8000:]
-    assert "the workers joined the running group" in nodes[2].output(), \
-        nodes[2].output()[-5000:]
-
-
-@pytest.mark.timeout(600)
-def test_a_newcomer_worker_killed_while_its_node_sets_up_starts_again_with_its_node(
-        launcher: Launcher, tmp_path: Path) -> None:
-    """A newcomer node's workers set up together in a provisional group: one SIGKILLed there
-    takes its node's other worker with it, both start again in a new provisional group and
-    join; the running nodes never restart and never wait for the dead one."""
-    args = [*RDZV_RUN, "--nnodes", "2:3", "--nproc-per-node", "2", "--rdzv-backend", "tcp",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "hsdp-setup-kill",
             "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
             "--stop-timeout", "5", "--max-restarts", "1", str(Path(__file__).parent /
                                                               "_hsdp_worker.py"),
@@ -272,9 +241,9 @@ def test_a_newcomer_worker_killed_while_its_node_sets_up_starts_again_with_its_n
     nodes.append(third)
     setting_up = r"pid (\d+) sets up for 4\.0 s"
     phase(lambda: re.search(setting_up, third.output()), "the newcomer's set-up", *nodes)
-    victim = int(re.findall(setting_up, third.output())[0])
-    os.kill(victim, signal.SIGKILL)
-    phase(lambda: "the workers joined the running group" in third.output(), "the join", *nodes)
+    os.kill(int(re.findall(setting_up, third.output())[0]), signal.SIGKILL)
+    joined = r"switched in (\d+) ms at step (\d+): 3 node\(s\), world size 6"
+    phase(lambda: re.search(joined, nodes[0].output()), "the join", *nodes)
     phase(lambda: "world size 6 at step" in nodes[0].output(), "the check after the join",
           *nodes)
     texts = [node.output() for node in nodes]
@@ -283,7 +252,10 @@ def test_a_newcomer_worker_killed_while_its_node_sets_up_starts_again_with_its_n
         node.wait(PHASE_TIMEOUT)
     assert "restarting the node's 2 workers, which set up to join together" in texts[2], \
         texts[2][-8000:]
+    assert "the workers joined the running group" in texts[2], texts[2][-8000:]
+    match = re.search(joined, texts[0])
+    assert match and int(match.group(1)) < 2000, texts[0][-8000:]
+    assert re.search(rf"world size 6 at step {match.group(2)}: replicas identical", texts[0]), \
+        texts[0][-8000:]
     assert len(re.findall(r"started 2 worker\(s\)", texts[0])) == 1, texts[0][-8000:]
     assert "restarting" not in texts[0] + texts[1], texts[0][-8000:]
-    assert re.search(r"world size 6 at step \d+: replicas identical", texts[0]), \
-        texts[0][-8000:]
