@@ -380,6 +380,25 @@ def test_groups_that_fail_before_a_step_in_them_end_in_a_restart() -> None:
     assert node.failed_transitions == 2 and node.restart_why is None
 
 
+def test_a_member_lost_while_the_workers_start_in_its_group_restarts_them_at_once() -> None:
+    """Workers started in a group wait in init_process_group for all of its members: one lost
+    meanwhile means they never finish starting (nor connect). The node's record says so at
+    once (a restart), where it used to wait for them until the switch timeout."""
+    starting = replace(running(), slots=(Slot(Worker.STARTING),))
+    node, acts = step(starting, Changed(3, lost=1), NOW, RULES)
+    assert node.phase is Phase.FORMING and whats(acts) == ["losses", "join"]
+    assert node.restart_cause == "lost_at_start" and node.slots[0].state is Worker.BROKEN
+    node, acts = step(node, Formed(4, 1, 2), NOW, RULES)
+    assert node.phase is Phase.AWAITING and node.record_final  # (not waiting for them)
+    assert node.restart_why == "the workers were starting in a group that lost a member"
+    unknown = replace(starting, inprocess=None)  # (they may not use the API: running)
+    node, _ = step(unknown, Changed(3, lost=1), NOW, RULES)
+    assert node.restart_cause == "" and node.slots[0].state is Worker.STARTING
+    joiner = replace(running(), slots=(Slot(Worker.STARTING, join=True),))
+    node, _ = step(joiner, Changed(3, lost=1), NOW, RULES)  # (a joiner waits for a plan)
+    assert node.restart_cause == "" and node.slots[0].state is Worker.STARTING
+
+
 def test_a_crashed_worker_is_absent_until_warm_then_fresh() -> None:
     node, _ = step(running(), Exited(0, -signal.SIGKILL), NOW, RULES)
     assert node.restarts == 1 and [s.report(True) for s in node.slots] == [SlotState.ABSENT]

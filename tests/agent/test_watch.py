@@ -14,7 +14,7 @@ from rdzv._clock import SYSTEM_CLOCK, Clock
 from rdzv.agent._protocol import Decided, RecordsIn
 from rdzv.agent._records import Decision, Kind, dumps_decision
 from rdzv.agent._watch import WAIT_SLICE, watch_round
-from rdzv.rendezvous import AGENT_DECISION, ready_key
+from rdzv.rendezvous import AGENT_DECISION, ready_key, record_key, restarting_key
 from rdzv.store import HashStore, Reads, Timeout
 
 
@@ -74,5 +74,26 @@ def test_the_coordinator_gets_what_there_is_at_its_deadline_without_a_change() -
         wait_for(lambda: posted, 5.0, "the records posted at the coordinator's deadline")
         assert len(posted) == 1 and isinstance(posted[0], RecordsIn) and posted[0].timed_out
         assert posted[0].records == {0: None, 1: None} and store.reads == 2
+    finally:
+        stopped.set()
+
+
+def test_the_coordinator_decides_a_restart_without_waiting_for_the_others_to_settle() -> None:
+    """A final record that asks for a restart (a worker failed) lets the coordinator decide as
+    soon as every record is written: the other node's workers, still starting in a group that
+    cannot form any more, would keep its record from ever being final."""
+    store, clock = CountingStore(), ManualClock()
+    store.set(record_key(1), b"{}")  # written, not final: its workers still start
+    posted, stopped = watching(store, coordinator=True, timeout=60.0, clock=clock)
+    try:
+        wait_for(lambda: store.watches >= 2, 30 * WAIT_SLICE, "two slices, one record")
+        assert posted == []
+        with store.batch():  # what write_record does for a final record asking for a restart
+            store.set(record_key(0), b"{}")
+            store.set(ready_key(0), b"1")
+            store.set(restarting_key(0), b"1")
+        wait_for(lambda: posted, 5.0, "the records posted before the deadline")
+        assert isinstance(posted[0], RecordsIn) and not posted[0].timed_out
+        assert set(posted[0].records) == {0, 1}
     finally:
         stopped.set()

@@ -11,7 +11,14 @@ import time
 
 from .._messages import Plan, PlanKind
 from ..errors import RendezvousStateError
-from ..rendezvous import AGENT_DECISION, AGENT_LEAVING, assign_key, ready_key, record_key
+from ..rendezvous import (
+    AGENT_DECISION,
+    AGENT_LEAVING,
+    assign_key,
+    ready_key,
+    record_key,
+    restarting_key,
+)
 from ..store import Store
 from ._config import LaunchConfig
 from ._decide import DecideContext, decide
@@ -66,11 +73,13 @@ def leaving_ranks(store: Store) -> tuple[int, ...]:
 
 
 def write_record(store: Store, node: Node, record: NodeRecord) -> None:
-    """The record, and (final) the marker the coordinator counts, in one message."""
+    """The record, and (final) the markers the coordinator counts, in one message."""
     with store.batch():
         store.set(record_key(node.group_rank), dumps_record(record))
         if node.record_final:
             store.set(ready_key(node.group_rank), b"1")
+            if record.restart:
+                store.set(restarting_key(node.group_rank), b"1")
 
 
 def write_decision(store: Store, records: dict[int, NodeRecord | None],

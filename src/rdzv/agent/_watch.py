@@ -28,6 +28,7 @@ from ..rendezvous import (
     AGENT_NEXT,
     AGENT_NODES,
     AGENT_READY,
+    AGENT_RESTARTING,
     RendezvousHandler,
 )
 from ..store import Store
@@ -124,7 +125,8 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
                 nodes: int, timeout: float, clock: Clock) -> Callable[[threading.Event], None]:
     """A watcher body for a transition's round ``gen``: posts the hint, the decision and abandon
     marks as they appear; the coordinator also gets every record once all are final, or what
-    there is after ``timeout`` seconds of ``clock`` (:class:`RecordsIn`). Non-coordinators watch the control
+    there is after ``timeout`` seconds of ``clock`` (:class:`RecordsIn`), or once all are
+    written if a final one asks for a restart. Non-coordinators watch the control
     keys only (O(1) wake-ups); the coordinator watches the records too. The keys are read again
     only once the watch saw them change: a slice without a change costs one watch request (N
     nodes waiting T seconds for a decision: N x T / WAIT_SLICE watches, not 5 times that)."""
@@ -135,9 +137,9 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
         since, hinted, decided, records_sent, abandoned = 0, False, False, False, 0
         while not stopped.is_set():
             try:
-                reads = store.read_many([AGENT_DECISION, AGENT_HINT],
-                                        [AGENT_READY, AGENT_ABANDON] if coordinator else [AGENT_ABANDON],
-                                        revisions=[path])
+                reads = store.read_many([AGENT_DECISION, AGENT_HINT], [
+                    AGENT_READY, AGENT_RESTARTING, AGENT_NODES, AGENT_ABANDON] if coordinator
+                    else [AGENT_ABANDON], revisions=[path])
             except RendezvousError as exc:
                 if stopped.is_set():
                     return
@@ -160,8 +162,10 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
                 abandoned = reads.counts[AGENT_ABANDON]
                 post(Abandoned(gen))
             timed_out = clock.monotonic() >= deadline
+            restart = coordinator and reads.counts[AGENT_RESTARTING] > 0 and \
+                reads.counts[AGENT_NODES] >= nodes  # (a restart waits for no settling)
             if coordinator and not decided and not records_sent and (
-                    reads.counts[AGENT_READY] >= nodes or timed_out):
+                    reads.counts[AGENT_READY] >= nodes or timed_out or restart):
                 records_sent = True
                 post(RecordsIn(gen, read_records(store, nodes), timed_out))
             since = max(since, reads.revisions[path])

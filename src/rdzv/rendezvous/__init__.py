@@ -51,6 +51,7 @@ from ._layout import (
     AGENT_NEXT,
     AGENT_NODES,
     AGENT_READY,
+    AGENT_RESTARTING,
     AGENT_SEEN,
     AGENT_STRAGGLERS,
     ROOT,
@@ -58,6 +59,7 @@ from ._layout import (
     abandon_key,
     assign_key,
     ready_key,
+    restarting_key,
     record_key,
 )
 from ._registry import (
@@ -106,6 +108,7 @@ __all__ = [
     "AGENT_NEXT",
     "AGENT_NODES",
     "AGENT_READY",
+    "AGENT_RESTARTING",
     "AGENT_SEEN",
     "AGENT_STRAGGLERS",
     "DEFAULT_HISTORY_SIZE",
@@ -154,6 +157,7 @@ __all__ = [
     "abandon_key",
     "assign_key",
     "ready_key",
+    "restarting_key",
     "record_key",
 ]
 

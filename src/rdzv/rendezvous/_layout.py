@@ -328,6 +328,10 @@ AGENT_NODES = AGENT_DIR + "node/"
 """Each agent's record by group rank (``rdzv status`` reads host, pid and workers from it)."""
 AGENT_READY = AGENT_DIR + "ready/"
 """A key per node whose record is final: the coordinator counts them (one O(1) call)."""
+AGENT_RESTARTING = AGENT_DIR + "restart/"
+"""A key per node whose final record asks every worker to restart: the coordinator then decides
+once every record is written, final or not (a restart stops every worker anyway; workers still
+starting in a group that cannot form would keep their record from ever being final)."""
 AGENT_ALIVE = AGENT_DIR + "alive/"
 """Each agent's ephemeral sign of life: the wall time it last wrote it."""
 AGENT_SEEN = AGENT_DIR + "seen/"
@@ -371,3 +375,7 @@ def record_key(group_rank: int) -> str:
 
 def ready_key(group_rank: int) -> str:
     return f"{AGENT_READY}{group_rank}"
+
+
+def restarting_key(group_rank: int) -> str:
+    return f"{AGENT_RESTARTING}{group_rank}"
