@@ -36,6 +36,12 @@ class Said:
     message: Any
 
 
+
+def _join_file(batch: int | None) -> str | None:
+    """The file through which joiners started in ``batch`` (the protocol's number, the node's
+    restart count) set up their provisional group, in the attempt's directory; None: alone."""
+    return None if batch is None else f"join-{batch}.store"
+
 class Crew:
     """This node's worker processes and the channel to them."""
 
@@ -91,14 +97,14 @@ class Crew:
         self._forget()
         self._agent.start_workers(self.group, list(range(self._agent.config.nproc_per_node)),
                                   assignment, restarts, self._link.path,
-                                  f"join-{restarts}.store" if assignment is None else None)
+                                  _join_file(restarts if assignment is None else None))
 
     def replace(self, local_rank: int, restarts: int, batch: int | None) -> None:
         """Start one worker again (its process died), to join the running group: with the
         node's other workers started to join in ``batch`` (one provisional group), or alone."""
         assert self.group is not None
         self._agent.start_workers(self.group, [local_rank], None, restarts, self._link.path,
-                                  None if batch is None else f"join-{batch}.store")
+                                  _join_file(batch))
 
     def stop(self, signum: int, timeout: float) -> None:
         """Stop every worker: API workers hear it on the channel first (a SIGTERM alone is
