@@ -391,6 +391,10 @@ def test_a_member_lost_while_the_workers_start_in_its_group_restarts_them_at_onc
     node, acts = step(node, Formed(4, 1, 2), NOW, RULES)
     assert node.phase is Phase.AWAITING and node.record_final  # (not waiting for them)
     assert node.restart_why == "the workers were starting in a group that lost a member"
+    # seen while a round forms: the round is cancelled, and the next record asks the restart
+    node, acts = step(replace(awaiting(), slots=(Slot(Worker.STARTING),)), Changed(4, lost=1),
+                      NOW, RULES)
+    assert "cancel" in whats(acts) and node.restart_cause == "lost_at_start"
     unknown = replace(starting, inprocess=None)  # (they may not use the API: running)
     node, _ = step(unknown, Changed(3, lost=1), NOW, RULES)
     assert node.restart_cause == "" and node.slots[0].state is Worker.STARTING

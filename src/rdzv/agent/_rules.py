@@ -189,13 +189,19 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
             return node, [say("the rendezvous was closed by another node; waiting for this "
                                "node's workers to finish")]
         return node, []
+    doomed = event.lost and node.inprocess and any(
+        s.state is Worker.STARTING and not s.join for s in node.slots)
+    if doomed:  # (in any phase: they will never connect)
+        node = _doomed_start(node)
     if phase is Phase.RUNNING:
         if node.leave is not None and node.leave.announced:
             return node, []  # this node's own announcement
+        if doomed:
+            return join(node, say(f"{event.lost} member(s) of the round lost while this node's "
+                                  "workers were starting in its group (they cannot finish "
+                                  "starting): the workers restart in the next round"),
+                        act("losses"))
         if event.lost:  # the round's decision aborts the group if a member of it is lost
-            if node.inprocess and any(s.state is Worker.STARTING and not s.join
-                                      for s in node.slots):
-                return _doomed_start(node, event.lost)
             return join(node, say(f"{event.lost} member(s) of the round lost: forming the "
                                   "next round without them; the workers stay up"),
                         act("losses"))
@@ -213,7 +219,7 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     return node, []  # (a node that abandons the round says so: Abandoned)
 
 
-def _doomed_start(node: Node, lost: int) -> Result:
+def _doomed_start(node: Node) -> Node:
     """A member of the round was lost while this node's workers (which use the in-process API:
     they connect once started) were starting in its group: they wait in
     ``init_process_group`` for a group that cannot form now, and never connect.
@@ -222,11 +228,8 @@ def _doomed_start(node: Node, lost: int) -> Result:
     why = "the workers were starting in a group that lost a member"
     slots = tuple(replace(s, state=Worker.BROKEN, step=None)
                   if s.state is Worker.STARTING and not s.join else s for s in node.slots)
-    node = replace(node, slots=slots, restart_why=node.restart_why or why,
+    return replace(node, slots=slots, restart_why=node.restart_why or why,
                    restart_cause=node.restart_cause or "lost_at_start")
-    return join(node, say(f"{lost} member(s) of the round lost while this node's workers "
-                          "were starting in its group (they cannot finish starting): the "
-                          "workers restart in the next round"), act("losses"))
 
 
 def _on_abandoned(node: Node, event: Abandoned, now: float, rules: Rules) -> Result:
