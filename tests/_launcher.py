@@ -86,17 +86,26 @@ class Launcher:
         self.log_dir = log_dir
         self.name = name
         self.started: list[LoggedProcess] = []
+        self.logs: list[Path] = []
 
     def start(self, argv: list[str], env: dict[str, str] | None = None) -> LoggedProcess:
         log_path = self.log_dir / f"{self.name}{len(self.started)}.log"
         process = LoggedProcess(argv, log_path, env)
         self.started.append(process)
+        self.logs.append(log_path)
         return process
 
     def kill_all(self) -> None:
         """Kill every process started (each once, however often this is called)."""
         while self.started:
             self.started.pop(0).kill()
+
+    def print_outputs(self) -> None:
+        """Print the end of every started program's output: called at a test's teardown, pytest
+        shows it with a failed test (a wait that timed out says what was missing, these say why)."""
+        for log_path in self.logs:
+            print(f"--- the end of {log_path.name}:\n"
+                  f"{log_path.read_text(errors='replace')[-OUTPUT_SHOWN // 2:]}")
 
 
 @pytest.fixture
@@ -105,6 +114,7 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
     started = Launcher(tmp_path)
     yield started
     started.kill_all()
+    started.print_outputs()
 
 
 def free_port() -> int:

@@ -23,6 +23,7 @@ def agents(tmp_path: Any) -> Any:
     group = Agents(tmp_path, "agent")
     yield group
     group.kill_all()
+    group.print_outputs()
     survivors = []
     for record in worker_records(str(tmp_path / "out")) if (tmp_path / "out").exists() else []:
         pid = record["pid"]

@@ -54,9 +54,12 @@ def test_a_spare_takes_the_place_of_a_killed_member(agents: Any, rdzv: Any) -> N
     args = rdzv.until_stopped("1:2", 1)
     nodes = rdzv.start(agents, 2, args)
     first_group = rdzv.running(2)
+    # (on a loaded machine the first round can form with the first agent alone: then a worker
+    # at world size 1 came before the group of two)
+    started = len(worker_records(str(rdzv.out)))
     spare = agents.start(args)
     wait_for(lambda: "waiting as a spare" in spare.output(), 120, "the spare")
-    assert len(worker_records(str(rdzv.out))) == 2  # the running group was not disturbed
+    assert len(worker_records(str(rdzv.out))) == started  # the running group was not disturbed
     victim = nodes[1]
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
