@@ -110,6 +110,9 @@ ROWS = [
     ("no in-process job: the newcomer's record is final without workers",
      replace(Node(slots=(Slot(Worker.GONE),)), phase=Phase.SETTLING, gen=1, group_rank=2,
              nodes=3), Hinted(1, False), Phase.AWAITING, ["record"]),
+    ("a first start: the newcomer's record is final without workers",
+     replace(Node(slots=(Slot(Worker.GONE),)), phase=Phase.SETTLING, gen=1, group_rank=2,
+             nodes=3), Hinted(1, None), Phase.AWAITING, ["record"]),
     ("the newcomer's worker is warm while a round is decided: it joins after",
      replace(Node(slots=(Slot(Worker.STARTING, join=True),)), phase=Phase.AWAITING, gen=1,
              group_rank=2, nodes=3, inprocess=True, record_final=True),
@@ -471,6 +474,29 @@ def test_workers_started_to_join_wait_for_each_other_from_the_first_warm_one() -
     assert node.phase is Phase.RUNNING and node.deadline == NOW + CONNECT_GRACE and acts == []
     node, acts = step(node, worker(Hello(1, 1, fresh=True), 1), NOW + 1, RULES)
     assert node.phase is Phase.FORMING and whats(acts) == ["join"]  # both in one switch
+
+
+def test_a_first_start_does_not_take_the_workers_for_ones_without_the_api() -> None:
+    """The first round's coordinator can say only that nobody's workers run yet: a member that
+    took that for "no in-process API" reported its workers, still importing torch when a node
+    joined seconds later, as running without it, and every worker restarted."""
+    first, acts = step(Node(slots=(Slot(Worker.GONE),)), Formed(1, 0, 2), NOW, RULES)
+    assert [a.args for a in acts if a.what == "hint"] == [(None,)]
+    member = replace(Node(slots=(Slot(Worker.GONE),)), phase=Phase.SETTLING, gen=1,
+                     group_rank=1, nodes=2)
+    member, _ = step(member, Hinted(1, None), NOW, RULES)
+    assert member.inprocess is None
+    member = replace(member, phase=Phase.FORMING, slots=(Slot(Worker.STARTING),), started=NOW)
+    member, acts = step(member, Formed(2, 1, 3), NOW + 3, RULES)  # a node joins
+    assert member.phase is Phase.SETTLING and not member.record_final  # it waits for them
+    member, acts = step(member, worker(Hello(0, 1)), NOW + 9, RULES)
+    assert member.inprocess and member.record_final and whats(acts) == ["record"]
+    assert [s.report(member.inprocess) for s in member.slots] == [SlotState.RUNNING]
+    # a coordinator whose workers never connected within the grace: they do not use the API
+    late = replace(first, phase=Phase.FORMING, slots=(Slot(Worker.STARTING),), started=NOW)
+    late, acts = step(late, Formed(2, 0, 3), NOW + 3, RULES)
+    late, acts = step(late, Tick(), NOW + CONNECT_GRACE + 1, RULES)
+    assert [a.args for a in acts if a.what == "hint"] == [(False,)] and late.inprocess is False
 
 
 def test_workers_starting_connect_within_a_grace_or_never() -> None:

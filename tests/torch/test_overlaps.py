@@ -6,7 +6,9 @@ server: the three failure modes of issue 22, each resolved in-process, at once, 
   node restarts anything;
 * a worker whose parameters differ from the others' at a change of group (what a mixed
   decision left behind): the group's agreement on entering brings it back, nobody trains on
-  with parameters that differ.
+  with parameters that differ;
+* a node that joins while the first workers still start (import torch): it joins in-process
+  once they connect, nobody restarts.
 """
 
 from __future__ import annotations
@@ -150,6 +152,26 @@ def test_workers_that_start_from_different_states_agree_before_their_first_step(
     assert not re.search(r"^\[0\]:step [1-9] world_size", outputs, re.M), outputs
     assert ("started from another state than its group's most advanced one (step 0): it "
             "received that one (step 10)") in outputs, outputs
+
+
+@pytest.mark.timeout(600)
+def test_a_node_that_joins_while_the_first_workers_start_is_switched_in(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """A node joins seconds after the job started, while its first workers still import (slow
+    here on purpose): it joins once they connect. A member used to take the first round's
+    "nobody runs yet" for "no in-process API", and every worker restarted."""
+    args = agent_args(tmp_path, serve(launcher), [WORKER, "--steps", "250", "--step-sleep",
+                                                  "0.03", "--import-seconds", "6"])
+    first, second = launcher.start(args), launcher.start(args)
+    wait_for(lambda: "round complete: 2 node(s)" in first.output(), PHASE_TIMEOUT, "the job")
+    third = launcher.start(args)  # (the first workers have 6 s to go before they connect)
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in (first, second, third)]
+    outputs = "".join(node.output() for node in (first, second, third))
+    assert codes == [0, 0, 0], outputs[-12000:]
+    assert "restarting" not in outputs and all(
+        started_once(node) for node in (first, second, third)), outputs
+    assert "the workers joined the running group in" in third.output(), third.output()
+    assert re.search(r"world size 3 at step \d+: weights identical", outputs), outputs
 
 
 @pytest.mark.timeout(600)

@@ -53,6 +53,7 @@ from ._protocol import (
     Expired,
     Formed,
     FormFailed,
+    Hinted,
     LeaveFailed,
     Node,
     Phase,
@@ -297,9 +298,9 @@ class NodeRun:
             getattr(self.handler, "node_id", None), self.clock.monotonic() - self.forming.since,
             self.agent.started))
 
-    def _act_hint(self, inprocess: bool) -> None:
+    def _act_hint(self, inprocess: bool | None) -> None:
         assert self.info is not None
-        self.info.store.set(AGENT_HINT, b"1" if inprocess else b"0")
+        self.info.store.set(AGENT_HINT, Hinted.WIRE[inprocess])
 
     def _act_decide(self, records: dict[int, NodeRecord | None], timed_out: bool) -> None:
         assert self.info is not None

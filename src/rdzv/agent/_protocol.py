@@ -48,7 +48,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 from ._flags import DEFAULTS
 from ._records import Assignment, Decision, NodeRecord, SlotState
@@ -249,8 +249,17 @@ class FormFailed:
 
 @dataclass(frozen=True)
 class Hinted:
+    """Group rank 0's hint for the round: its workers switch in-process (True), or do not use
+    the API (False), or none run yet (None: a first start, where nobody can say)."""
+
     gen: int
-    inprocess: bool
+    inprocess: bool | None
+
+    WIRE: ClassVar[dict[bool | None, bytes]] = {True: b"1", False: b"0", None: b"-"}
+
+    @classmethod
+    def read(cls, gen: int, raw: bytes) -> "Hinted":
+        return cls(gen, next((k for k, v in cls.WIRE.items() if v == raw), None))
 
 
 @dataclass(frozen=True)

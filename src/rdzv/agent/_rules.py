@@ -84,11 +84,12 @@ def _on_formed(node: Node, event: Formed, now: float, rules: Rules) -> Result:
                    nodes=event.nodes, decision=None, assignment=None, hint=None,
                    hint_written=False, record_final=False, deadline=deadline)
     acts = [act("watch", node.gen)]
-    if node.coordinator:
-        known = node.inprocess if node.inprocess is not None or node.live else False
-        if known is not None:
-            node = replace(node, hint_written=True)
-            acts.append(act("hint", known and not rules.restart_on_change))
+    if node.coordinator and (node.inprocess is not None or not node.live):
+        # (None, nobody's workers running yet: the newcomers start theirs with the others,
+        # and do not take the program for one without the API while they start)
+        hint = None if node.inprocess is None else node.inprocess and not rules.restart_on_change
+        node = replace(node, hint_written=True)
+        acts.append(act("hint", hint))
     finished = any(s.state is Worker.DONE for s in node.slots)
     if not node.live and not node.coordinator and not finished:
         return node, acts + [act("record")]  # a newcomer: it waits for the hint

@@ -151,7 +151,7 @@ def watch_round(store: Store, gen: int, post: Callable[[Any], None], coordinator
             raw_hint, raw = reads.values[AGENT_HINT], reads.values[AGENT_DECISION]
             if raw_hint is not None and not hinted:
                 hinted = True
-                post(Hinted(gen, raw_hint == b"1"))
+                post(Hinted.read(gen, raw_hint))
             if raw is not None and not decided:
                 decided = True
                 try:
