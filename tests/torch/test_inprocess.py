@@ -173,7 +173,10 @@ def test_a_killed_node_is_survived_in_process_and_replaced(launcher: Launcher,
                                                            tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
     args = example_args(tmp_path, log, 450, "--max-restarts", "0")
-    first, second, victim = start_nodes(launcher, args, 3)
+    # Past its 450 steps, the job trains on until the replacement has trained 20 steps with the
+    # others (on a loaded machine its worker's start, torch's import, can outlast the steps left)
+    finish = {"RDZV_EXAMPLE_FINISH_WITH": "3:20"}
+    first, second, victim = start_nodes(launcher, args, 3, finish)
 
     def steps_at(world_size: int, after: int = 0) -> int:
         return sum(1 for e in progress(log)[after:] if e["world_size"] == world_size)
@@ -184,7 +187,7 @@ def test_a_killed_node_is_survived_in_process_and_replaced(launcher: Launcher,
     victim.wait(PHASE_TIMEOUT)
     wait_for(lambda: steps_at(2, before) >= 20, PHASE_TIMEOUT, "20 steps at 2 after the kill")
     before = len(progress(log))
-    replacement = launcher.start(args)
+    replacement = launcher.start(args, finish)
     wait_for(lambda: steps_at(3, before) >= 20, PHASE_TIMEOUT, "20 steps at 3 after a join")
     codes = [node.wait(PHASE_TIMEOUT) for node in (first, second, replacement)]
     outputs = first.output() + second.output() + replacement.output()
@@ -197,7 +200,7 @@ def test_a_killed_node_is_survived_in_process_and_replaced(launcher: Launcher,
     assert re.search(r"recovered in-process in \d+ ms at step \d+", text), text
     assert "member(s) of the round lost" in text or "process group failed" in text
     entries = progress(log)
-    assert entries[-1]["step"] == 450
+    assert entries[-1]["step"] >= 450
     assert phases(entries)[-3:] == [3, 2, 3], phases(entries)
     steps = [e["step"] for e in entries]
     jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
