@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -78,3 +79,16 @@ def test_adapter_rejects_what_is_not_an_rdzv_store() -> None:
 
     with pytest.raises(TypeError, match="torch's own stores need no adapter"):
         rdzv.torch.TorchStore(dist.HashStore())
+
+
+def test_a_worker_imports_neither_the_agent_nor_the_rendezvous_engine() -> None:
+    """What a worker's ``import rdzv.torch`` costs: torch and the in-process API, not the
+    torchrun bridge (rdzv's agent and rendezvous engine), whose names load on first use."""
+    code = ("import json, sys, rdzv.torch; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('rdzv.agent', "
+            "'rdzv.rendezvous', 'torch.distributed.elastic'))))); "
+            "print(rdzv.torch.TorchRendezvousHandler.__module__)")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded, bridge = out.stdout.splitlines()
+    assert json.loads(loaded) == [] and bridge == "rdzv.torch._handler"

@@ -13,13 +13,11 @@ Only this package imports torch (``pip install rdzv[torch]``); the rest of rdzv 
 See ``docs/torch.md``.
 """
 
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 from ._elastic import ElasticState
 from ._group import SwitchError
-from ._handler import (
-    TORCHRUN_BACKENDS,
-    TorchRendezvousHandler,
-    create_torch_handler,
-)
 from ._init import destroy_process_group, init_process_group
 from ._nodegroup import node_mesh
 from ._plugin import (  # first: torch may load it while we import torch
@@ -27,6 +25,15 @@ from ._plugin import (  # first: torch may load it while we import torch
     torchrun_handler_creator,
 )
 from ._store import TorchStore
+
+if TYPE_CHECKING:
+    from ._handler import TORCHRUN_BACKENDS, TorchRendezvousHandler, create_torch_handler
+
+# Imported on first use: torch's agent needs them, a worker does not (they bring in the
+# rendezvous engine and rdzv's agent, a third of a second of every worker's start).
+_EXPORTS = {name: "._handler" for name in (
+    "TORCHRUN_BACKENDS", "TorchRendezvousHandler", "create_torch_handler")}
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 __all__ = [
     "ElasticState",
