@@ -29,14 +29,15 @@ def record(*slots: tuple[SlotState, int | None], lineage: str | None = "g1",
            offset: int | None = 0, size: int | None = 3, final: bool = True,
            inprocess: bool | None = True, restart: str | None = None, host: str = "h",
            step_time: float | None = 0.05, sampled: float = NOW,
-           leaving: tuple[int, ...] = ()) -> NodeRecord:
+           leaving: tuple[int, ...] = (), finished: bool = False) -> NodeRecord:
     """A node's record; its workers that hold a state hold ranks ``offset``.. of the group."""
     held = tuple(offset + i for i, (state, _) in enumerate(slots) if state.holds_state) \
         if offset is not None and lineage is not None else ()
     return NodeRecord(slots=tuple(SlotReport(state, step) for state, step in slots),
                       role="default", host=host, port=7000, final=final, inprocess=inprocess,
                       restart=restart, lineage=lineage, offset=offset, group_size=size,
-                      held=held, leaving=leaving, step_time=step_time, sampled=sampled)
+                      held=held, leaving=leaving, step_time=step_time, sampled=sampled,
+                      finished=finished)
 
 
 def ctx(nodes: int, timed_out: bool = False) -> DecideContext:
@@ -90,6 +91,19 @@ ROWS = [
     ("workers that did not connect by the deadline: restart",
      {0: record((R, 40)), 1: record((S, None), final=False, inprocess=None)},
      Kind.RESTART, None, None),
+    ("a node came as the job ended (the others' workers finished it): finish",
+     {0: record((A, None), finished=True), 1: record((A, None), offset=1, finished=True),
+      2: record((F, None), lineage=None)}, Kind.FINISH, None, None),
+    ("... also before its workers started (nobody runs: not a start)",
+     {0: record((A, None), finished=True), 1: record((A, None), lineage=None)}, Kind.FINISH,
+     None, None),
+    ("a node finished while another's worker failed outside the API: restart, as before",
+     {0: record((A, None), finished=True), 1: record((A, None), offset=1,
+                                                     restart="rank 1: exit code 1")},
+     Kind.RESTART, None, None),
+    ("a node finished while another still trains: not the end (recover)",
+     {0: record((A, None), size=2, finished=True), 1: record((R, 40), offset=1, size=2)},
+     Kind.RECOVER, 40, 0),
     ("a node wrote nothing by the deadline (dead or hung): cancel",
      {0: record((R, 40)), 1: None}, Kind.CANCEL, None, None),
 ]
@@ -153,6 +167,8 @@ def test_offsets_are_prefix_sums_also_per_role() -> None:
 def test_records_and_decisions_survive_their_encoding() -> None:
     mine = record((R, 40), (F, None))
     assert loads_record("k", dumps_record(mine).encode()) == mine
+    done = record((A, None), finished=True)
+    assert loads_record("k", dumps_record(done).encode()) == done
     assert json.loads(dumps_record(mine))["nproc"] == 2  # what `rdzv status` shows
     decision = Decision(Kind.SWITCH, "d9", by="n", step=7, source=0, prefix="rdzv-d9")
     assert loads_decision("k", dumps_decision(decision).encode()) == decision

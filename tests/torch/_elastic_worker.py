@@ -8,8 +8,8 @@ state differs from the others', as a protocol error would leave it). ``--stale-r
 the first start, every rank but R restores step 10 and weights of 10 (a newer checkpoint than
 R's). ``--outside-at S --outside-seconds T``: at step S every rank spends T s outside the steps
 (``state.outside_steps()``, an evaluation). ``--import-seconds T``: a worker started with its
-group (not one started to join a running group) waits T s before it, as a slow import (a
-loaded machine, a shared file system) would. After every change of
+group waits T s before it, as a slow import (a loaded machine, a shared file system) would;
+``--join-seconds T``: likewise a worker started to join a running group. After every change of
 group, and at the end, rank 0 prints whether every rank holds the same weights.
 """
 
@@ -39,9 +39,10 @@ def main() -> None:
     parser.add_argument("--outside-at", type=int, default=-1)
     parser.add_argument("--outside-seconds", type=float, default=0.0)
     parser.add_argument("--import-seconds", type=float, default=0.0)
+    parser.add_argument("--join-seconds", type=float, default=0.0)
     args = parser.parse_args()
-    if not os.environ.get("RDZV_INPROCESS_JOIN"):
-        time.sleep(args.import_seconds)
+    time.sleep(args.join_seconds if os.environ.get("RDZV_INPROCESS_JOIN") else
+               args.import_seconds)
     weight = torch.zeros(4)
     rdzv.torch.init_process_group("gloo")
     state = rdzv.torch.ElasticState(step=0, weight=weight)

@@ -175,6 +175,27 @@ def test_a_node_that_joins_while_the_first_workers_start_is_switched_in(
 
 
 @pytest.mark.timeout(600)
+def test_a_node_that_comes_as_the_job_ends_trains_nothing(launcher: Launcher,
+                                                          tmp_path: Path) -> None:
+    """A node joins; the job ends while its workers start (slow here on purpose): it stops them
+    and ends, the others end as they would have. It used to enter a group of its own once warm,
+    and train the whole job again alone."""
+    args = agent_args(tmp_path, serve(launcher), [WORKER, "--steps", "60", "--step-sleep",
+                                                  "0.03", "--join-seconds", "60"])
+    first, second = launcher.start(args), launcher.start(args)
+    wait_for(lambda: "step 10 world_size 2" in first.output(), PHASE_TIMEOUT, "10 steps")
+    late = launcher.start(args)
+    codes = [node.wait(PHASE_TIMEOUT) for node in (first, second, late)]
+    outputs = "".join(node.output() for node in (first, second, late))
+    assert codes == [0, 0, 0], outputs[-12000:]
+    assert "the job finished before this node's workers could join it" in late.output(), (
+        late.output())
+    assert "done: 60 steps" in first.output() and "world_size 1" not in outputs, outputs
+    for node in (first, second):
+        assert "every node has finished; this node's workers succeeded" in node.output()
+
+
+@pytest.mark.timeout(600)
 def test_sigterm_to_an_agent_and_its_workers_at_once_is_a_graceful_leave(
         launcher: Launcher, tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"

@@ -6,17 +6,20 @@ node's assignment. In order:
 1. A node that wrote no record by the deadline: ``cancel`` (it is gone or hung; the rendezvous
    forms the next round without it, or with it once it is back).
 2. A node that needs its workers restarted (a worker failed outside the in-process API, or
-   ``--restart-on-change``, or workers that never connected to their agent): ``restart``.
-3. No worker runs anywhere: ``start``.
-4. No worker holds the training state (every holder crashed): ``recover`` from nobody; the
+   ``--restart-on-change``, or workers that never connected to their agent): ``restart``
+   (the workers of a node that finished too: one failure restarts the job, as torch's does).
+3. A node whose workers finished the job, and no worker that holds a training state (a node
+   that came as the job ended): ``finish``; nobody starts anything, every node ends.
+4. No worker runs anywhere: ``start``.
+5. No worker holds the training state (every holder crashed): ``recover`` from nobody; the
    workers start from their checkpoint, in-process.
-5. A holder's group failed (``broken``), lost a member (one of its ranks is neither held by a
+6. A holder's group failed (``broken``), lost a member (one of its ranks is neither held by a
    node of the round nor announced as leaving: a node died or hung while the round formed), or
    holders come from different groups: ``recover``:
    every worker adopts the state of the holder with the most completed steps (the lowest global
    rank among equals), so a step that completed on some is kept and nobody goes on with
    parameters another lacks.
-6. Every holder runs in one group: ``stay`` if the round's group is that group (same workers,
+7. Every holder runs in one group: ``stay`` if the round's group is that group (same workers,
    same ranks), else ``switch`` at a step far enough ahead that every worker hears of it first.
 
 The global ranks follow the group ranks; each node contributes its slots that are not absent
@@ -146,6 +149,11 @@ def decide(records: Mapping[int, NodeRecord | None], ctx: DecideContext
         restart = ("connect_timeout", f"the workers of group rank {_ranks(unsettled)} did not "
                    f"connect to their agent within {ctx.timeout_s:g} s (do they use "
                    "rdzv.torch.ElasticState?)")
+    finished = sorted(g for g, r in full.items() if r.finished)
+    if restart is None and finished and not any(
+            s.state.holds_state for r in full.values() for s in r.slots):
+        return Decision(Kind.FINISH, why=f"the workers of group rank {_ranks(finished)} "
+                        "finished the job", **base), {}
     live = any(s.state is not SlotState.ABSENT for r in full.values() for s in r.slots)
     if restart is None and live:
         restart = next((("not_inprocess", f"node {g}'s workers do not switch in-process")

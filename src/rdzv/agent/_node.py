@@ -450,6 +450,15 @@ class NodeRun:
             lambda: all_done(info), self.node.gen, self.events.put,
             self.config.monitor_interval))
 
+    def _act_outside(self) -> None:
+        """None of this node's workers is in the round's group (they start to join it): the
+        others' end of the job does not wait for them (they leave once it is closed)."""
+        assert self.info is not None
+        try:
+            mark_done(self.info)
+        except RendezvousError as exc:
+            logger.warning("cannot mark this node as outside the group: %s", exc)
+
     def _act_succeed(self) -> None:
         self.crew.stop(signal.SIGTERM, self.config.stop_timeout)
         self._close("workers_succeeded")

@@ -89,6 +89,8 @@ class NodeRecord:
     max_nodes: int | None = None
     started: float = 0.0
     """The wall time its agent started (``rdzv status``'s *up*)."""
+    finished: bool = False
+    """Its workers finished the job (each exited 0): it waits for the other nodes."""
 
     @property
     def present(self) -> list[int]:
@@ -112,6 +114,9 @@ class Kind(enum.Enum):
     """The running group is the round's group: nothing changes for the workers."""
     CANCEL = "cancel"
     """A participant was lost before a decision: every node joins the next round."""
+    FINISH = "finish"
+    """The job is over: a node's workers finished it and no worker holds a training state
+    (a node that came as it ended): nobody starts anything, every node ends."""
 
 
 @dataclass(frozen=True)
@@ -223,8 +228,8 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
         _check(key, isinstance(data.get(name), list) and all(_is_int(r) for r in data[name]),
                f"malformed {name}")
     _check(key, isinstance(data.get("final"), bool) and data.get("inprocess") in (None, True,
-                                                                                    False),
-           "malformed flags")
+                                                                                    False)
+           and isinstance(data.get("finished", False), bool), "malformed flags")
     return NodeRecord(slots=reports, role=data["role"], host=data["host"], port=data["port"],
                       final=data["final"], inprocess=data["inprocess"], restart=data["restart"],
                       restart_cause=data["restart_cause"],
@@ -233,7 +238,7 @@ def loads_record(key: str, raw: bytes) -> NodeRecord:
                       leaving=tuple(data["leaving"]), step_time=data["step_time"],
                       sampled=data["sampled"], node_id=data["node_id"], pid=data["pid"],
                       time=data["time"], join_s=data["join_s"], max_nodes=data["max_nodes"],
-                      started=data.get("started", 0.0))
+                      started=data.get("started", 0.0), finished=data.get("finished", False))
 
 
 def dumps_decision(decision: Decision) -> str:

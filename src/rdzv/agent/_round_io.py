@@ -57,7 +57,8 @@ def build_record(node: Node, config: LaunchConfig, host: str, port: int,
         leaving=leaving, step_time=max((s.step_time for s in running if s.step_time),
                                        default=None),
         sampled=wall - (now - sampled), node_id=node_id, pid=os.getpid(), time=wall,
-        join_s=round(joined_s, 6), max_nodes=config.max_nodes, started=started)
+        join_s=round(joined_s, 6), max_nodes=config.max_nodes, started=started,
+        finished=all(s.state is Worker.DONE for s in node.slots))
 
 
 def leaving_ranks(store: Store) -> tuple[int, ...]:

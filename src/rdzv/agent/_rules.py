@@ -123,10 +123,29 @@ def _on_decided(node: Node, event: Decided, now: float, rules: Rules) -> Result:
     if decision.kind is Kind.CANCEL:
         return join(node, say(f"round {node.gen} was cancelled ({decision.why}): forming "
                                 "the next round"))
+    if decision.kind is Kind.FINISH:
+        return _finish(replace(node, decision=decision), now)
     node = replace(node, phase=Phase.AWAITING, decision=decision)
     if node.cancelled is not None:  # decided before this node's cancel: the cause still holds
         return abandon(node, f"{node.cancelled}, after the round's decision")
     return node, [act("fetch")]
+
+
+def _finish(node: Node, now: float) -> Result:
+    """The job is over (a ``finish`` decision): a node whose workers finished it waits for the
+    others as before; any other (one that came as the job ended) says it is done too, stops
+    the workers it started to join, and ends."""
+    if all(s.state is Worker.DONE for s in node.slots):
+        return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
+            act("watch", node.gen), act("done")]
+    return _ended_without_it(node, act("done"))
+
+
+def _ended_without_it(node: Node, *acts: Act) -> Result:
+    """The job ended before this node's workers (started to join it) were in its group."""
+    return exit_with(node, 0, say("the job finished before this node's workers could join it: "
+                                  "stopping them; nothing to do"),
+                     act("stop", signals.SIGTERM), *acts)
 
 
 def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Result:
@@ -138,6 +157,8 @@ def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Resul
     acts = [act("next", decision)] if node.coordinator else []
     if decision.kind in (Kind.START, Kind.RESTART):
         return _restart(node, acts, now, rules)
+    if not mine.local_ranks and not all(s.state is Worker.DONE for s in node.slots):
+        acts.append(act("outside"))  # (the job's end does not wait for workers not in it)
     if decision.kind is Kind.STAY:
         return running(node, acts, now, rules)
     if not mine.local_ranks:  # none of this node's workers is in the group
@@ -186,6 +207,8 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     if event.closed:
         if phase is Phase.FINISHED:
             return exit_with(node, 0, act("succeed"))
+        if phase is Phase.RUNNING and node.group is None:  # workers started to join it
+            return _ended_without_it(node)
         if phase is Phase.RUNNING:
             return node, [say("the rendezvous was closed by another node; waiting for this "
                                "node's workers to finish")]

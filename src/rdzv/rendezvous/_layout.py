@@ -340,7 +340,8 @@ how long it had been silent tells a lost connection from missed heartbeats (the 
 AGENT_LEAVING = AGENT_DIR + "leaving/"
 """A node leaving gracefully writes its group rank here before it withdraws from the next round."""
 AGENT_DONE = AGENT_DIR + "done/"
-"""A node whose workers finished the job says so here."""
+"""A node whose workers finished the job says so here, as does one with no worker in the job's
+group (its workers start to join it): the nodes that finished wait for every other one."""
 AGENT_STRAGGLERS = AGENT_DIR + "straggler/"
 """Group rank 0 flags a straggler here: its group rank -> the ratio of its work to the others'."""
 AGENT_EVICT = AGENT_DIR + "evict/"
