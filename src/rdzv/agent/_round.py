@@ -52,7 +52,8 @@ def mark_alive(info: RendezvousInfo, perf: dict[str, Any] | None = None) -> None
 
 
 def mark_done(info: RendezvousInfo) -> None:
-    """Mark this node as finished in its round; marking it again changes nothing."""
+    """Mark this node as one its round's end does not wait for (its workers finished the job,
+    or none of them is in the group); marking it again changes nothing."""
     info.store.set(f"{AGENT_DONE}{info.rank}", b"1")
 
 
