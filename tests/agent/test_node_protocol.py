@@ -12,6 +12,7 @@ import pytest
 from rdzv._messages import Broken, Entered, Hello, Left, Progress, Shards, Term
 from rdzv.agent._protocol import (
     Abandoned,
+    AllFinished,
     Assigned,
     Changed,
     Decided,
@@ -124,16 +125,36 @@ ROWS = [
     ("the job is over: a node whose workers finished it waits for the others",
      replace(awaiting(), slots=(Slot(Worker.DONE),)), Decided(4, decided(Kind.FINISH)),
      Phase.FINISHED, ["watch", "done"]),
-    ("the job is over before the newcomer's workers joined: it stops them and ends",
+    ("the job is over before the newcomer's workers joined: it stops them and waits too",
      replace(awaiting(), slots=(Slot(Worker.FRESH, join=True),)),
-     Decided(4, decided(Kind.FINISH)), Phase.EXITED, ["stop", "done", "exit"]),
+     Decided(4, decided(Kind.FINISH)), Phase.FINISHED, ["stop", "watch", "done"]),
+    ("the job is over: the coordinator tells the old round's leavers too",
+     replace(awaiting(coordinator=True), slots=(Slot(Worker.DONE),)),
+     Decided(4, decided(Kind.FINISH)), Phase.FINISHED, ["next", "watch", "done"]),
+    ("finished, every node too: it ends", replace(running(), phase=Phase.FINISHED,
+                                                  slots=(Slot(Worker.DONE),)),
+     AllFinished(3), Phase.EXITED, ["succeed", "exit"]),
+    ("finished, the run closed by another node: it ends",
+     replace(running(), phase=Phase.FINISHED, slots=(Slot(Worker.DONE),)),
+     Changed(3, closed=True), Phase.EXITED, ["succeed", "exit"]),
+    ("finished, a node lost or joining: it joins the next round, which decides",
+     replace(running(), phase=Phase.FINISHED, slots=(Slot(Worker.DONE),)),
+     Changed(3, lost=1), Phase.FORMING, ["join"]),
     ("a newcomer's workers start to join: the job's end does not wait for them",
      replace(awaiting(), group=None, slots=(Slot(Worker.STARTING, join=True),),
              decision=decided(Kind.STAY)), Assigned(4, assignment(local_ranks=())),
      Phase.RUNNING, ["outside", "watch"]),
+    ("... also under a switch of the others",
+     replace(awaiting(), group=None, slots=(Slot(Worker.STARTING, join=True),),
+             decision=decided(Kind.SWITCH)), Assigned(4, assignment(local_ranks=())),
+     Phase.RUNNING, ["outside", "watch"]),
     ("the job ended (closed) before the newcomer's workers joined: it stops them and ends",
      replace(running(), group=None, slots=(Slot(Worker.STARTING, join=True),)),
      Changed(3, closed=True), Phase.EXITED, ["stop", "exit"]),
+    ("... also when they were warm and it was forming the next round (closed)",
+     replace(running(), phase=Phase.FORMING, group=None,
+             slots=(Slot(Worker.FRESH, join=True),)),
+     FormFailed("closed", "the rendezvous is closed"), Phase.EXITED, ["stop", "exit"]),
     ("every record is in: the coordinator decides",
      awaiting(coordinator=True), RecordsIn(4, {}), Phase.AWAITING, ["decide"]),
     ("the decision: read this node's assignment", awaiting(), Decided(4, decided(Kind.SWITCH)),
@@ -466,6 +487,27 @@ def test_a_worker_joining_with_its_node_crashes_while_they_set_up_together() -> 
     # ... and the other dies before the first is in: each alone still (they never met)
     node, acts = step(replace(node, phase=Phase.RUNNING), Exited(0, -signal.SIGKILL), NOW, RULES)
     assert [a.args for a in acts if a.what in ("replace", "kill")] == [(0, None)]
+
+
+def test_sigterm_to_a_newcomer_setting_up_is_its_notice_whatever_its_agent_hears_first() -> None:
+    """Slurm signals every process of a node: a newcomer's worker, still setting up (its
+    SIGTERM handler comes once it connects), dies of it. Heard before the agent's own signal,
+    that used to count as a crash: with --max-restarts 0 the run failed."""
+    rules = replace(RULES, max_restarts=0)
+    one = replace(running(), group=None, restarts=0,
+                  slots=(Slot(Worker.STARTING, join=True, batch=0),))
+    node, acts = step(one, Exited(0, -signal.SIGTERM), NOW, rules)
+    assert node.phase is Phase.EXITED and whats(acts) == ["stop", "exit"]
+    assert acts[-1].args == (128 + signal.SIGTERM,) and "fail" not in whats(acts)
+    assert "taken as this node's notice to leave" in acts[0].args[0]
+    two = replace(one, slots=(Slot(Worker.STARTING, join=True, batch=0),) * 2)
+    node, acts = step(two, Exited(0, -signal.SIGTERM), NOW, rules)
+    assert node.leave is not None and node.leave.by_worker and node.restarts == 0
+    node, acts = step(node, Signalled(signal.SIGTERM), NOW, rules)  # the agent's: no news
+    assert node.phase is not Phase.EXITED and acts == []
+    # a worker that crashed in its set-up by itself is a crash still
+    node, acts = step(one, Exited(0, 1), NOW, rules)
+    assert "fail" in whats(acts)
 
 
 def test_restarts_are_bounded_by_max_restarts() -> None:

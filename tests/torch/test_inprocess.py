@@ -173,9 +173,10 @@ def test_a_killed_node_is_survived_in_process_and_replaced(launcher: Launcher,
                                                            tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"
     args = example_args(tmp_path, log, 450, "--max-restarts", "0")
-    # Past its 450 steps, the job trains on until the replacement has trained 20 steps with the
-    # others (on a loaded machine its worker's start, torch's import, can outlast the steps left)
-    finish = {"RDZV_EXAMPLE_FINISH_WITH": "3:20"}
+    # Past its 450 steps, the job trains on until three nodes have trained 100 steps in one group
+    # (on a loaded machine the workers' starts, torch's import, can outlast the steps: the first
+    # group of three may come after step 450, and must last past the 20 steps before the kill)
+    finish = {"RDZV_EXAMPLE_FINISH_WITH": "3:100"}
     first, second, victim = start_nodes(launcher, args, 3, finish)
 
     def steps_at(world_size: int, after: int = 0) -> int:

@@ -196,6 +196,30 @@ def test_a_node_that_comes_as_the_job_ends_trains_nothing(launcher: Launcher,
 
 
 @pytest.mark.timeout(600)
+def test_sigterm_to_a_newcomer_setting_up_is_a_leave_not_a_crash(launcher: Launcher,
+                                                                 tmp_path: Path) -> None:
+    """Slurm's scancel of a node that joins: every process gets SIGTERM, its worker (still
+    setting up, so without its handler) dies of it, and its agent may see that before its own
+    signal. It used to count a crash: with --max-restarts 0 the whole run failed."""
+    args = agent_args(tmp_path, serve(launcher), [WORKER, "--steps", "150", "--step-sleep",
+                                                  "0.03", "--join-seconds", "60"])
+    args[args.index("--max-restarts") + 1] = "0"
+    first, second = launcher.start(args), launcher.start(args)
+    wait_for(lambda: "step 10 world_size 2" in first.output(), PHASE_TIMEOUT, "10 steps")
+    late = launcher.start(args)
+    wait_for(lambda: "to join the running group" in late.output(), PHASE_TIMEOUT,
+             "the newcomer's worker")
+    os.kill(worker_pid(late.pid), signal.SIGTERM)  # (the worker's first: the order at stake)
+    assert late.wait(PHASE_TIMEOUT) in (0, 128 + signal.SIGTERM), late.output()
+    assert "taken as this node's notice to leave" in late.output(), late.output()
+    codes = [node.wait(PHASE_TIMEOUT) for node in (first, second)]
+    outputs = "".join(node.output() for node in (first, second, late))
+    assert codes == [0, 0] and "done: 150 steps" in first.output(), outputs[-12000:]
+    assert "rdzv run failed" not in outputs and all(
+        started_once(node) for node in (first, second)), outputs
+
+
+@pytest.mark.timeout(600)
 def test_sigterm_to_an_agent_and_its_workers_at_once_is_a_graceful_leave(
         launcher: Launcher, tmp_path: Path) -> None:
     log = tmp_path / "progress.jsonl"

@@ -102,6 +102,19 @@ def exit_with(node: Node, code: int, *before: Act) -> Result:
     return replace(node, phase=Phase.EXITED), [*before, act("exit", code)]
 
 
+def finished(node: Node, now: float, *before: Act) -> Result:
+    """Nothing left to run on this node: mark it done and wait for the other nodes to end."""
+    return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
+        *before, act("done")]
+
+
+def outside(node: Node) -> bool:
+    """Whether none of this node's workers is in the job's group or finished it: they start to
+    join it (or none runs)."""
+    return not any(s.state in (Worker.RUNNING, Worker.ENTERED, Worker.BROKEN, Worker.DONE)
+                   for s in node.slots)
+
+
 def fail(node: Node, why: str) -> Result:
     """Give up: the run fails (summary, rendezvous closed), exit 1."""
     return exit_with(node, 1, act("stop", signals.SIGTERM), act("fail", why))
@@ -120,8 +133,7 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
             acts = [*acts, act("watch", node.gen)]
         return moved, acts
     if not node.live and any(s.state is Worker.DONE for s in node.slots):  # it had finished
-        return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
-            *acts, act("watch", node.gen), act("done")]
+        return finished(node, now, *acts, act("watch", node.gen))
     return node, acts + [act("watch", node.gen)]
 
 

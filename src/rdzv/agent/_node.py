@@ -468,7 +468,9 @@ class NodeRun:
                 wait_until_others_left(self.info, self.handler, LEAVE_TIMEOUT)
             except RendezvousError as exc:
                 logger.warning("cannot wait for the other nodes to leave: %s", exc)
-        self.agent.say("every node has finished; this node's workers succeeded")
+        ran = any(s.state is Worker.DONE for s in self.node.slots)  # (not: came as it ended)
+        self.agent.say("every node has finished" + ("; this node's workers succeeded" if ran
+                                                      else ""))
 
     def _act_fail(self, why: str) -> None:
         print(failure_summary(self._failures, why), file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ Phases of a node::
        |   a change: a node waits / leaves / is lost, a worker broke or       v
        +---crashed, a restarted worker is warm------------------------ RUNNING <--- stay, start,
                                                                         |          restart
-                                          every worker succeeded -----> FINISHED
+                   every worker succeeded, or the job finished (finish) --> FINISHED
 
 * **FORMING**: the next round forms in the background (``next_rendezvous``); the workers keep
   training (a planned change) or wait with their group broken (a loss).
@@ -384,12 +384,14 @@ class Act:
     """One thing for the executor to do: ``what`` names it, ``args`` are its arguments.
 
     ``join`` (the next round, in the background), ``watch`` (round ``gen``: its membership and
-    decision), ``record`` (write this node's record), ``hint``, ``decide`` (records, timed out),
+    decision), ``record`` (write this node's record), ``hint`` (True, False, or None: nobody
+    runs yet), ``decide`` (records, timed out),
     ``cancel``, ``abandon``, ``fetch`` (this node's assignment), ``plans`` (to the workers),
     ``abort``, ``start`` (workers: join?), ``replace`` (local rank: a crashed worker, alone),
     ``stop`` (signal), ``announce`` (this node leaves), ``leave_plans`` (step), ``next``
     (tell the old round's leavers), ``adopt`` (the workers run in the round), ``done``
-    (mark finished), ``close`` (reason), ``exit`` (code), ``say`` (text), ``event`` (history),
+    (mark finished, and wait for every node's mark), ``outside`` (mark this node, none of whose
+    workers is in the group, as one the others' end does not wait for), ``close`` (reason), ``exit`` (code), ``say`` (text), ``event`` (history),
     ``probe`` (local rank: where is it?), ``hung`` (local rank, global rank, step, silent s,
     why, frame).
     """

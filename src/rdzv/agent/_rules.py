@@ -20,7 +20,9 @@ from ._moves import (
     cancel,
     exit_with,
     fail,
+    finished,
     join,
+    outside,
     running,
     say,
     settle,
@@ -132,20 +134,23 @@ def _on_decided(node: Node, event: Decided, now: float, rules: Rules) -> Result:
 
 
 def _finish(node: Node, now: float) -> Result:
-    """The job is over (a ``finish`` decision): a node whose workers finished it waits for the
-    others as before; any other (one that came as the job ended) says it is done too, stops
-    the workers it started to join, and ends."""
-    if all(s.state is Worker.DONE for s in node.slots):
-        return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
-            act("watch", node.gen), act("done")]
-    return _ended_without_it(node, act("done"))
+    """The job is over (a ``finish`` decision): every node marks itself done and waits for the
+    others to end (the run is closed once all are). One that came as the job ended stops the
+    workers it started to join first."""
+    acts = [act("next", node.decision)] if node.coordinator else []
+    if not all(s.state is Worker.DONE for s in node.slots):
+        acts = [say("the job finished before this node's workers could join it: nothing to "
+                    "do; waiting for the other nodes to end"), act("stop", signals.SIGTERM),
+                *acts]
+        node = replace(node, slots=tuple(s if s.state is Worker.DONE else
+                                         replace(s, state=Worker.GONE) for s in node.slots))
+    return finished(node, now, *acts, act("watch", node.gen))
 
 
-def _ended_without_it(node: Node, *acts: Act) -> Result:
-    """The job ended before this node's workers (started to join it) were in its group."""
+def _ended_without_it(node: Node) -> Result:
+    """The run was closed before this node's workers (started to join it) were in its group."""
     return exit_with(node, 0, say("the job finished before this node's workers could join it: "
-                                  "stopping them; nothing to do"),
-                     act("stop", signals.SIGTERM), *acts)
+                                  "stopping them; nothing to do"), act("stop", signals.SIGTERM))
 
 
 def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Result:
@@ -207,7 +212,7 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     if event.closed:
         if phase is Phase.FINISHED:
             return exit_with(node, 0, act("succeed"))
-        if phase is Phase.RUNNING and node.group is None:  # workers started to join it
+        if phase is Phase.RUNNING and outside(node):  # workers started to join it
             return _ended_without_it(node)
         if phase is Phase.RUNNING:
             return node, [say("the rendezvous was closed by another node; waiting for this "
@@ -347,6 +352,9 @@ def _on_form_failed(node: Node, event: FormFailed, now: float, rules: Rules) -> 
             s.state is Worker.RUNNING for s in node.slots):
         return replace(node, phase=Phase.RUNNING), [say(
             "the rendezvous is closed: waiting for this node's workers to finish")]
+    if event.kind == "closed" and not node.failures and outside(node) and any(
+            s.join and s.state in (Worker.STARTING, Worker.FRESH) for s in node.slots):
+        return _ended_without_it(node)  # (its workers were warm as the job ended)
     if event.kind == "closed":
         if node.failures:
             return exit_with(node, 1, act("stop", signals.SIGTERM), act(

@@ -10,7 +10,6 @@ from dataclasses import replace
 from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Shards, Term, Where
 from ._hang import QUIET, on_where
 from ._moves import (
-    EXIT_BARRIER_TIMEOUT,
     TRANSITIONS,
     abandon,
     after_failure,
@@ -18,6 +17,7 @@ from ._moves import (
     cancel,
     exit_with,
     fail,
+    finished,
     group_failed,
     join,
     running,
@@ -98,13 +98,19 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
     if isinstance(message, Shards):
         return replace(node, sharded=True), []
     if isinstance(message, Term):
-        if node.leave is not None:
-            return node, []  # the agent got it too (Slurm signals every process)
-        moved, acts = signalled(node, Signalled(signals.SIGTERM), now, rules)
-        if moved.leave is not None:
-            moved = replace(moved, leave=replace(moved.leave, by_worker=True))
-        return moved, acts
+        return worker_notice(node, signals.SIGTERM, now, rules)
     return node, []  # Closed: its exit follows
+
+
+def worker_notice(node: Node, signum: int, now: float, rules: Rules, *before: Act) -> Result:
+    """A worker heard the node's notice to leave (Slurm signals every process of a node): the
+    same as the agent's own signal, which then changes nothing."""
+    if node.leave is not None:
+        return node, []  # the agent got it too
+    moved, acts = signalled(node, Signalled(signum), now, rules)
+    if moved.leave is not None:
+        moved = replace(moved, leave=replace(moved.leave, by_worker=True))
+    return moved, [*before, *acts]
 
 
 def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
@@ -161,9 +167,8 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
             return settle(node, [])      # node's failure) starts them anew; else finished
         if node.phase in (Phase.FORMING, Phase.AWAITING):
             return node, []
-        return replace(node, phase=Phase.FINISHED, deadline=now + EXIT_BARRIER_TIMEOUT), [
-            say(f"all {len(node.slots)} worker(s) of this node succeeded; waiting for the "
-                 "other nodes to finish"), act("done")]
+        return finished(node, now, say(f"all {len(node.slots)} worker(s) of this node "
+                                       "succeeded; waiting for the other nodes to finish"))
     node = with_slot(node, lr, state=Worker.GONE)
     how = (f"signal {signals.Signals(-event.code).name}" if event.code < 0 and
            -event.code in signals.valid_signals() else f"exit code {event.code}")
@@ -171,6 +176,12 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if leaving:
         return exit_with(node, 0, say(f"leaving: {who} while the node was leaving; exiting"),
                      act("stop", signals.SIGTERM))
+    if set_up_with is not None and crashed.state is Worker.STARTING and \
+            -event.code in (signals.SIGTERM, signals.SIGINT):
+        # (a worker takes the signal as its node's notice once connected; killed by it before,
+        # it is no crash: the agent's own signal may just come second)
+        return worker_notice(node, -event.code, now, rules, say(
+            f"{who} while setting up to join: taken as this node's notice to leave"))
     if node.restarts >= rules.max_restarts:
         return fail(node, f"workers failed after {node.restarts} restart(s) (--max-restarts "
                            f"{rules.max_restarts})")
