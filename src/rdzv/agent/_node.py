@@ -440,24 +440,20 @@ class NodeRun:
             report_losses(self.handler, self.group_info, self.session_ttl)
 
     def _act_done(self) -> None:
-        assert self.info is not None
-        info = self.info
-        try:
-            mark_done(info)
-        except RendezvousError as exc:
-            logger.warning("cannot mark this node as finished: %s", exc)
+        info = self._act_outside()
         self.watches.add("rdzv-finish", watch_finish(
             lambda: all_done(info), self.node.gen, self.events.put,
             self.config.monitor_interval))
 
-    def _act_outside(self) -> None:
-        """None of this node's workers is in the round's group (they start to join it): the
-        others' end of the job does not wait for them (they leave once it is closed)."""
+    def _act_outside(self) -> RendezvousInfo:
+        """Mark this node done in its round (``mark_done``): finished, or none of its workers
+        in the group (the others' end of the job does not wait for those)."""
         assert self.info is not None
         try:
             mark_done(self.info)
         except RendezvousError as exc:
-            logger.warning("cannot mark this node as outside the group: %s", exc)
+            logger.warning("cannot mark this node as done in its round: %s", exc)
+        return self.info
 
     def _act_succeed(self) -> None:
         self.crew.stop(signal.SIGTERM, self.config.stop_timeout)
