@@ -226,7 +226,10 @@ def test_a_hung_node_is_dropped_after_its_heartbeat_bound(launcher: Launcher,
     log = tmp_path / "progress.jsonl"
     args = example_args(tmp_path, log, 250, "--max-restarts", "0")
     args[args.index("last_call_timeout=1")] = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3"
-    first, second, hung = start_nodes(launcher, args, 3)
+    # Past its 250 steps, the job trains on until two nodes have trained 150 steps in one group:
+    # on a loaded machine the first round can form with the first node alone, and the others'
+    # workers' starts (torch's import) outlast its 250 steps (CI: it ended before them)
+    first, second, hung = start_nodes(launcher, args, 3, {"RDZV_EXAMPLE_FINISH_WITH": "2:150"})
     wait_for(lambda: sum(e["world_size"] == 3 for e in progress(log)) >= 20, PHASE_TIMEOUT,
              "20 steps at world size 3")
     # (a node that joins before the others' workers can switch restarts them: count from here)
@@ -241,7 +244,7 @@ def test_a_hung_node_is_dropped_after_its_heartbeat_bound(launcher: Launcher,
         for pid in stopped:
             os.kill(pid, signal.SIGKILL)
     entries = progress(log)
-    assert phases(entries, since=3) == [3, 2] and entries[-1]["step"] == 250, phases(entries)
+    assert phases(entries, since=3) == [3, 2] and entries[-1]["step"] >= 250, phases(entries)
     gaps = [b["time"] - a["time"] for a, b in zip(entries, entries[1:])]
     assert max(gaps) < 3 + 30, gaps  # the heartbeat bound, not the group's 10 minutes
     text = first.output()
