@@ -36,11 +36,11 @@ class Said:
     message: Any
 
 
-
 def _join_file(batch: int | None) -> str | None:
     """The file through which joiners started in ``batch`` (the protocol's number, the node's
     restart count) set up their provisional group, in the attempt's directory; None: alone."""
     return None if batch is None else f"join-{batch}.store"
+
 
 class Crew:
     """This node's worker processes and the channel to them."""
