@@ -8,7 +8,9 @@ server: the three failure modes of issue 22, each resolved in-process, at once, 
   decision left behind): the group's agreement on entering brings it back, nobody trains on
   with parameters that differ;
 * a node that joins while the first workers still start (import torch): it joins in-process
-  once they connect, nobody restarts.
+  once they connect, nobody restarts;
+* a node stopped (agent and workers) while every worker starts: the others restart theirs at
+  once in a group without it, not after the connect timeout.
 """
 
 from __future__ import annotations
@@ -245,3 +247,32 @@ def test_sigterm_to_an_agent_and_its_workers_at_once_is_a_graceful_leave(
     assert longest_pause(entries) < 1.0, outputs
     for node in (a, b):
         assert started_once(node) and "restarting the workers" not in node.output(), outputs
+
+
+@pytest.mark.timeout(600)
+def test_a_node_stopped_while_the_workers_start_restarts_them_at_once(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """Slurm's scancel of a node (its agent and its worker) while every worker still starts in
+    the group (slow here on purpose): the others' workers would wait in init_process_group for
+    its worker until the connect timeout (120 s here); they restart at once in a group without
+    it, and that is no failure of theirs (--max-restarts 0). The training chaos soak saw the
+    others stall 23 s."""
+    args = agent_args(tmp_path, serve(launcher), [WORKER, "--steps", "100", "--step-sleep",
+                                                  "0.03", "--import-seconds", "8"])
+    args[args.index("--max-restarts") + 1] = "0"
+    args[args.index("--switch-timeout"):args.index("--switch-timeout")] = [
+        "--worker-connect-timeout", "120"]
+    nodes = [launcher.start(args) for _ in range(3)]
+    wait_for(lambda: all("round complete: 3 node(s)" in n.output() for n in nodes),
+             PHASE_TIMEOUT, "the job of 3 nodes")
+    gone = nodes.pop()
+    for pid in (worker_pid(gone.pid), gone.pid):  # (its worker sleeps 8 s before its import)
+        os.kill(pid, signal.SIGTERM)
+    gone.wait(PHASE_TIMEOUT)
+    wait_for(lambda: any("world_size 2" in n.output() for n in nodes), 60,
+             "a step at world size 2 (not after the connect timeout of 120 s)")
+    codes = [node.wait(PHASE_TIMEOUT) for node in nodes]
+    outputs = "".join(node.output() for node in (*nodes, gone))
+    assert codes == [0, 0] and "world_size 3" not in outputs, outputs[-12000:]
+    assert "lost or leaving while this node's workers were starting" in outputs, outputs
+    assert "rdzv run failed" not in outputs and "restart 1 of" not in outputs, outputs

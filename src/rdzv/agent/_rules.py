@@ -184,7 +184,7 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     assert decision is not None and node.assignment is not None
     restarts = node.restarts
     if decision.kind is Kind.RESTART:
-        if node.restart_why is not None:
+        if node.restart_why is not None and node.restart_cause != "lost_at_start":
             if restarts >= rules.max_restarts:
                 return fail(node, f"workers failed after {restarts} restart(s) "
                                    f"(--max-restarts {rules.max_restarts})")
@@ -218,18 +218,18 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
             return node, [say("the rendezvous was closed by another node; waiting for this "
                                "node's workers to finish")]
         return node, []
-    doomed = event.lost and node.inprocess and any(
-        s.state is Worker.STARTING and not s.join for s in node.slots)
-    if doomed:  # (in any phase: they will never connect)
+    gone = event.lost + (event.leaving if node.leave is None else 0)  # (not its own notice)
+    doomed = gone and _starting_in_group(node, now, rules)
+    if doomed:  # (in any phase: they may never connect)
         node = _doomed_start(node)
     if phase is Phase.RUNNING:
         if node.leave is not None and node.leave.announced:
             return node, []  # this node's own announcement
         if doomed:
-            return join(node, say(f"{event.lost} member(s) of the round lost while this node's "
-                                  "workers were starting in its group (they cannot finish "
-                                  "starting): the workers restart in the next round"),
-                        act("losses"))
+            return join(node, say(f"{gone} member(s) of the round lost or leaving while this "
+                                  "node's workers were starting in its group (which cannot "
+                                  "form without them): the workers restart in the next round"),
+                        *([act("losses")] if event.lost else []))
         if event.lost:  # the round's decision aborts the group if a member of it is lost
             return join(node, say(f"{event.lost} member(s) of the round lost: forming the "
                                   "next round without them; the workers stay up"),
@@ -248,13 +248,25 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     return node, []  # (a node that abandons the round says so: Abandoned)
 
 
+def _starting_in_group(node: Node, now: float, rules: Rules) -> bool:
+    """Whether workers of this node may still be starting in its group (in
+    ``init_process_group``): started with it, not yet connected, and of a program that connects
+    once started (or, not known yet, still within the grace to connect)."""
+    connects = node.inprocess or (node.inprocess is None and
+                                  now < node.started + rules.connect_grace)
+    return bool(connects) and any(s.state is Worker.STARTING and not s.join
+                                  for s in node.slots)
+
+
 def _doomed_start(node: Node) -> Node:
-    """A member of the round was lost while this node's workers (which use the in-process API:
-    they connect once started) were starting in its group: they wait in
-    ``init_process_group`` for a group that cannot form now, and never connect.
-    The record says so at once (they are broken, and the workers restart), instead of leaving
-    the others to wait for them until the switch timeout."""
-    why = "the workers were starting in a group that lost a member"
+    """A member of the round was lost, or is leaving, while this node's workers (which use the
+    in-process API: they connect once started) were starting in its group: they wait in
+    ``init_process_group`` for all of its members, and a lost one never comes (nor does a
+    leaver's whose workers were stopped with it, as Slurm does). The record says so at once
+    (they are broken, and the workers restart in the next round, which does not count as a
+    restart of this node's: no worker of it failed), instead of leaving the others to wait for
+    them until the switch timeout."""
+    why = "the workers were starting in a group that lost a member"  # (or one leaving)
     slots = tuple(replace(s, state=Worker.BROKEN, step=None)
                   if s.state is Worker.STARTING and not s.join else s for s in node.slots)
     return replace(node, slots=slots, restart_why=node.restart_why or why,

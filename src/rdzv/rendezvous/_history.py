@@ -72,8 +72,8 @@ RESTART_CAUSES = ("worker_failed", "transition_failed", "connect_timeout", "lost
 """Why a round restarts every worker (``restart_fallback``, the only fallback of in-process
 changes): a worker failed outside the in-process API; transitions kept failing (workers that
 never enter their new group); the workers did not connect to their agent in time; a member
-of the group was lost while the workers were starting in it; a node's workers do not use the API
-(or ``--restart-on-change``)."""
+of the group was lost, or left, while the workers were starting in it; a node's workers do
+not use the API (or ``--restart-on-change``)."""
 LEAVE_REASONS = ("graceful_leave", "connection_lost", "heartbeat_missed", "closed", "lost")
 """Why a member of the previous round is not in a new one; ``lost``: gone, cause unknown."""
 
