@@ -227,8 +227,9 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
             return node, []  # this node's own announcement
         if doomed:
             return join(node, say(f"{gone} member(s) of the round lost or leaving while this "
-                                  "node's workers were starting in its group (which cannot "
-                                  "form without them): the workers restart in the next round"),
+                                  "node's workers may still be starting in its group (which "
+                                  "cannot form without them): the workers restart in the next "
+                                  "round"),
                         *([act("losses")] if event.lost else []))
         if event.lost:  # the round's decision aborts the group if a member of it is lost
             return join(node, say(f"{event.lost} member(s) of the round lost: forming the "
