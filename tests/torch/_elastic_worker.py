@@ -9,8 +9,10 @@ the first start, every rank but R restores step 10 and weights of 10 (a newer ch
 R's). ``--outside-at S --outside-seconds T``: at step S every rank spends T s outside the steps
 (``state.outside_steps()``, an evaluation). ``--import-seconds T``: a worker started with its
 group waits T s before it, as a slow import (a loaded machine, a shared file system) would;
-``--join-seconds T``: likewise a worker started to join a running group. After every change of
-group, and at the end, rank 0 prints whether every rank holds the same weights.
+``--join-seconds T``: likewise a worker started to join a running group. ``--finish-with W``:
+at ``--steps``, train on (up to ten times as many) until the world size is W (a test sees a
+newcomer join before the end, however long its start takes on a loaded machine). After every
+change of group, and at the end, rank 0 prints whether every rank holds the same weights.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--outside-seconds", type=float, default=0.0)
     parser.add_argument("--import-seconds", type=float, default=0.0)
     parser.add_argument("--join-seconds", type=float, default=0.0)
+    parser.add_argument("--finish-with", type=int, default=0)
     args = parser.parse_args()
     time.sleep(args.join_seconds if os.environ.get("RDZV_INPROCESS_JOIN") else
                args.import_seconds)
@@ -65,7 +68,10 @@ def main() -> None:
 
     def train() -> None:
         nonlocal stalled, perturbed
-        for step in state.steps(args.steps):
+        total = 10 * args.steps if args.finish_with else args.steps
+        for step in state.steps(total):
+            if step >= args.steps and state.world_size >= args.finish_with:
+                break  # (every rank sees this step and group)
             if (args.perturb_file and not perturbed and state.rank == args.perturb_rank
                     and os.path.exists(args.perturb_file)):
                 perturbed = True
