@@ -427,7 +427,8 @@ def test_a_member_lost_while_the_workers_start_in_its_group_restarts_them_at_onc
     assert node.restart_cause == "lost_at_start" and node.slots[0].state is Worker.BROKEN
     node, acts = step(node, Formed(4, 1, 2), NOW, RULES)
     assert node.phase is Phase.AWAITING and node.record_final  # (not waiting for them)
-    assert node.restart_why == "the workers were starting in a group that lost a member"
+    assert node.restart_why == ("the workers were starting in a group that lost a member, or "
+                                "one leaving")
     # seen while a round forms: the round is cancelled, and the next record asks the restart
     node, acts = step(replace(awaiting(), slots=(Slot(Worker.STARTING),)), Changed(4, lost=1),
                       NOW, RULES)
@@ -457,13 +458,56 @@ def test_a_member_leaving_while_the_workers_start_in_its_group_restarts_them_at_
     own = replace(starting, leave=Leave(signal.SIGTERM, NOW + 30, announced=True))
     node, acts = step(own, Changed(3, leaving=1), NOW, RULES)  # (its own notice: nothing)
     assert node.restart_cause == "" and acts == []
+    node, _ = step(own, Changed(3, leaving=2), NOW, RULES)  # (its own, and another's)
+    assert node.restart_cause == "lost_at_start"
+    pending = replace(starting, leave=Leave(signal.SIGTERM, NOW + 30))  # (not announced yet)
+    node, _ = step(pending, Changed(3, leaving=1), NOW, RULES)
+    assert node.restart_cause == "lost_at_start"
+    unknown = replace(starting, inprocess=None, started=NOW - 1)  # (within the grace)
+    node, _ = step(unknown, Changed(3, leaving=1), NOW, RULES)
+    assert node.restart_cause == "lost_at_start"
+    node, _ = step(replace(unknown, started=NOW - CONNECT_GRACE), Changed(3, leaving=1), NOW,
+                   RULES)
+    assert node.restart_cause == "" and node.phase is Phase.FORMING
+    failed = replace(starting, restart_why="local rank 0 ended with exit code 1",
+                     restart_cause="worker_failed")  # (a failure first: it counts still)
+    node, _ = step(failed, Changed(3, leaving=1), NOW, RULES)
+    assert node.restart_cause == "worker_failed"
+    # settling, the record waits for the workers to connect: a leave makes it final at once
+    settling = replace(starting, phase=Phase.SETTLING, gen=4, deadline=NOW + CONNECT_GRACE)
+    node, acts = step(settling, Changed(4, leaving=1), NOW, RULES)
+    assert node.phase is Phase.AWAITING and node.record_final and whats(acts) == ["record"]
     strict = replace(RULES, max_restarts=0)
     node, _ = step(starting, Changed(3, leaving=1), NOW, strict)
     node, _ = step(node, Formed(4, 1, 2), NOW, strict)
+    # the doomed worker fails at last (its peer's port closed), before the round decides
+    node, acts = step(node, Exited(0, 1, "RuntimeError: Connection refused"), NOW, strict)
+    assert "fail" not in whats(acts) and node.slots[0].state is Worker.GONE
     node, _ = step(node, Decided(4, replace(decided(Kind.RESTART), world_size=2, nodes=2)),
                    NOW, strict)
     node, acts = step(node, Assigned(4, assignment(nodes=2)), NOW, strict)
     assert node.phase is Phase.RUNNING and node.restarts == 0 and "start" in whats(acts)
+
+
+def test_sigterm_to_workers_that_have_not_connected_is_their_nodes_notice() -> None:
+    """Slurm signals every process of a node: workers started with the group (no handler
+    before they connect) die of it, starting or doomed, and their agent may hear that before
+    its own signal: a notice to leave, not a crash (with --max-restarts 0 the run failed). A
+    program known not to use the API has no such handler ever: its worker crashed."""
+    rules = replace(RULES, max_restarts=0)
+    two = replace(running(nproc=2), slots=(Slot(Worker.STARTING),) * 2)
+    node, acts = step(two, Exited(0, -signal.SIGTERM), NOW, rules)
+    assert node.leave is not None and node.leave.by_worker and "fail" not in whats(acts)
+    assert "before it connected to its agent: taken as this node's notice" in acts[0].args[0]
+    doomed, _ = step(two, Changed(3, lost=1), NOW, rules)
+    node, acts = step(doomed, Exited(0, -signal.SIGTERM), NOW, rules)
+    assert node.leave is not None and "fail" not in whats(acts)
+    one = replace(running(), slots=(Slot(Worker.STARTING),))  # (its node has none left: ends)
+    node, acts = step(one, Exited(0, -signal.SIGTERM), NOW, rules)
+    assert node.phase is Phase.EXITED and acts[-1].args == (128 + signal.SIGTERM,)
+    assert "fail" not in whats(acts)
+    node, acts = step(replace(one, inprocess=False), Exited(0, -signal.SIGTERM), NOW, rules)
+    assert "fail" in whats(acts)
 
 
 def test_a_crashed_worker_is_absent_until_warm_then_fresh() -> None:

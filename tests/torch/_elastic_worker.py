@@ -68,8 +68,8 @@ def main() -> None:
 
     def train() -> None:
         nonlocal stalled, perturbed
-        total = 10 * args.steps if args.finish_with else args.steps
-        for step in state.steps(total):
+        steps = 10 * args.steps if args.finish_with else args.steps
+        for step in state.steps(steps):
             if step >= args.steps and state.world_size >= args.finish_with:
                 break  # (every rank sees this step and group)
             if (args.perturb_file and not perturbed and state.rank == args.perturb_rank

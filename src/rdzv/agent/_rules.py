@@ -218,7 +218,8 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
             return node, [say("the rendezvous was closed by another node; waiting for this "
                                "node's workers to finish")]
         return node, []
-    gone = event.lost + (event.leaving if node.leave is None else 0)  # (not its own notice)
+    own = node.leave is not None and node.leave.announced
+    gone = event.lost + max(0, event.leaving - own)  # (its own notice is no member gone)
     doomed = gone and _starting_in_group(node, now, rules)
     if doomed:  # (in any phase: they may never connect)
         node = _doomed_start(node)
@@ -246,6 +247,8 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
         return cancel(node, f"{event.lost} participant(s) lost before the decision")
     if phase in (Phase.AWAITING, Phase.ENTERING) and node.decision and event.lost:
         return abandon(node, "a participant of the new group was lost")
+    if doomed and phase is Phase.SETTLING:  # (a leaver: its record is final now)
+        return settle(node, [])
     return node, []  # (a node that abandons the round says so: Abandoned)
 
 
@@ -260,14 +263,14 @@ def _starting_in_group(node: Node, now: float, rules: Rules) -> bool:
 
 
 def _doomed_start(node: Node) -> Node:
-    """A member of the round was lost, or is leaving, while this node's workers (which use the
-    in-process API: they connect once started) were starting in its group: they wait in
-    ``init_process_group`` for all of its members, and a lost one never comes (nor does a
-    leaver's whose workers were stopped with it, as Slurm does). The record says so at once
-    (they are broken, and the workers restart in the next round, which does not count as a
-    restart of this node's: no worker of it failed), instead of leaving the others to wait for
-    them until the switch timeout."""
-    why = "the workers were starting in a group that lost a member"  # (or one leaving)
+    """A member of the round was lost, or is leaving, while this node's workers may still be
+    starting in its group (:func:`_starting_in_group`): they wait in ``init_process_group`` for
+    all of its members, and a lost one never comes (nor does a leaver's whose workers were
+    stopped with it, as Slurm does). The record says so at once (they are broken, and the
+    workers restart in the next round, which does not count as a restart of this node's: no
+    worker of it failed), instead of leaving the others to wait for them to connect until
+    ``--worker-connect-timeout``."""
+    why = "the workers were starting in a group that lost a member, or one leaving"
     slots = tuple(replace(s, state=Worker.BROKEN, step=None)
                   if s.state is Worker.STARTING and not s.join else s for s in node.slots)
     return replace(node, slots=slots, restart_why=node.restart_why or why,

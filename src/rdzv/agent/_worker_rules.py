@@ -176,12 +176,16 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if leaving:
         return exit_with(node, 0, say(f"leaving: {who} while the node was leaving; exiting"),
                      act("stop", signals.SIGTERM))
-    if set_up_with is not None and crashed.state is Worker.STARTING and \
+    doomed = crashed.state is Worker.BROKEN and node.restart_cause == "lost_at_start"
+    if (doomed or (crashed.state is Worker.STARTING and node.inprocess is not False)) and \
             -event.code in (signals.SIGTERM, signals.SIGINT):
         # (a worker takes the signal as its node's notice once connected; killed by it before,
         # it is no crash: the agent's own signal may just come second)
         return worker_notice(node, -event.code, now, rules, say(
-            f"{who} while setting up to join: taken as this node's notice to leave"))
+            f"{who} before it connected to its agent: taken as this node's notice to leave"))
+    if doomed:  # its group could not form: no failure of its own (see _rules._doomed_start)
+        return node, [say(f"{who} (its group could not form): the workers restart in the "
+                          "next round")]
     if node.restarts >= rules.max_restarts:
         return fail(node, f"workers failed after {node.restarts} restart(s) (--max-restarts "
                            f"{rules.max_restarts})")
