@@ -443,6 +443,12 @@ def test_a_member_lost_while_the_workers_start_in_its_group_restarts_them_at_onc
     joiner = replace(running(), slots=(Slot(Worker.STARTING, join=True),))
     node, _ = step(joiner, Changed(3, lost=1), NOW, RULES)  # (a joiner waits for a plan)
     assert node.restart_cause == "" and node.slots[0].state is Worker.STARTING
+    # the member lost is this node (paused past its session): the others left the group
+    # (seen in the chaos soak, seed 16: its record waited 30 s for workers that never came)
+    node, acts = step(starting, Expired("session gone"), NOW, RULES)
+    assert node.phase is Phase.FORMING and node.restart_cause == "lost_at_start"
+    node, _ = step(node, Formed(4, 1, 3), NOW, RULES)
+    assert node.phase is Phase.AWAITING and node.record_final
 
 
 def test_a_member_leaving_while_the_workers_start_in_its_group_restarts_them_at_once() -> None:

@@ -285,9 +285,12 @@ def _on_abandoned(node: Node, event: Abandoned, now: float, rules: Rules) -> Res
 
 # -- time, the run --
 def _on_expired(node: Node, event: Expired, now: float, rules: Rules) -> Result:
-    """The others took this node for gone: it joins the next round (as a new node)."""
+    """The others took this node for gone: it joins the next round (as a new node). Its
+    workers still starting wait for a group the others have left: they restart."""
     if node.phase in (Phase.FORMING, Phase.EXITED):
         return node, []
+    if _starting_in_group(node, now, rules):
+        node = _doomed_start(node)
     if node.phase in (Phase.RUNNING, Phase.FINISHED) and node.leave is None:
         return join(aborted(node), say(f"this node's store session expired, so the others "
                                           f"take it for gone ({event.why}); re-forming"),
