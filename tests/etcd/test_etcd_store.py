@@ -27,6 +27,15 @@ def store(etcd: LocalEtcd, request: pytest.FixtureRequest) -> Iterator[EtcdStore
 
 
 
+def test_a_fresh_cluster_answers_revision_at_once(etcd_binary: str) -> None:
+    """Nothing written yet (etcd at its first revision, which no change has): its history is
+    empty. It used to wait 60 s for an event at that revision, then fail."""
+    with LocalEtcd(binary=etcd_binary) as fresh, EtcdStore(fresh.endpoint) as store:
+        assert store.revision("never/written") == 0
+        store.set("k", "1")
+        assert store.revision("k") > 0 and store.revision("never/written") == 0
+
+
 def test_lost_lease_is_reported_once_then_renewed(store: EtcdStore, etcd: LocalEtcd) -> None:
     store.set("mine", "1", ephemeral=True)
     with EtcdStore(etcd.endpoint) as admin:

@@ -276,11 +276,14 @@ class EtcdClient:
     def history(self, start: int, end: int) -> list[dict[str, Any]]:
         """Every event of the whole keyspace with ``start <= revision <= end``.
 
-        ``end`` must be a revision etcd has reached: as every revision is one change of some
-        key, the stream then surely carries an event at ``end``, which marks the end of history.
+        ``end`` must be a revision etcd has reached: as every revision but the first is one change
+        of some key, the stream then surely carries an event at ``end``, which marks the end of
+        history. Revision 1 is etcd's empty start: no event has it (a fresh cluster's history is
+        empty, not a wait for an event that never comes).
         """
         events: list[dict[str, Any]] = []
         everything = b64(b"\0")
+        start = max(start, 2)
         while start <= end:
             create = {"key": everything, "range_end": everything, "start_revision": start}
             batch = self.watch(create, timeout=self.options.retry_timeout)
