@@ -5,18 +5,21 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from typing import Any
 
 
 class PipedChild:
     """``python SCRIPT ARGS...`` with pipes on stdin and stdout; subclasses speak its protocol."""
 
-    def __init__(self, script: str, *args: str, own_group: bool = False) -> None:
+    def __init__(self, script: str, *args: str, own_group: bool = False,
+                 process: Any = None) -> None:
         """``own_group``: run the child in a process group of its own, for a child that stops
         itself (SIGSTOP): a stopped process in an orphaned group (as the test's may be, run
         from a background job) gets SIGHUP and SIGCONT from the kernel as soon as any process
         of that group exits; its own group, whose parent (this process) is in another group of
-        the same session, is never orphaned."""
-        self.process = subprocess.Popen(
+        the same session, is never orphaned. ``process``: one started already, with Popen's
+        ``stdin``, ``stdout``, ``pid``, ``poll``, ``wait``, ``send_signal`` and ``kill``."""
+        self.process = process or subprocess.Popen(
             [sys.executable, script, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -97,11 +97,21 @@ def serve(client: Any) -> None:
         print(json.dumps(reply), flush=True)
 
 
-def main() -> None:
+def prepare() -> None:
+    """What a child needs before its spec: the import paths, logging."""
     sys.path.insert(0, REPO_ROOT)
     sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the shared test helpers (_waiting...)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    client = open_client(json.loads(sys.argv[1]))
+
+
+def main() -> None:
+    prepare()
+    serve_spec(json.loads(sys.argv[1]))
+
+
+def serve_spec(spec: dict[str, Any]) -> None:
+    """Open the client ``spec`` names, say it is ready, answer requests until stdin closes."""
+    client = open_client(spec)
     print(json.dumps({"ready": True}), flush=True)
     try:
         serve(client)

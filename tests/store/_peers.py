@@ -15,6 +15,7 @@ from typing import Any
 
 from _child import call_op, decode, encode
 from _child_process import PipedChild
+from _forkserver import ForkedProcess
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child.py")
 READY_TIMEOUT = 60.0
@@ -34,7 +35,10 @@ class ProcessPeer(PipedChild):
     """A child process (``_child.py``) with its own client, opened from a JSON spec."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        super().__init__(CHILD_SCRIPT, json.dumps(spec))
+        """``spec["warm"]``: forked from a process that has imported the factory's module (see
+        ``_forkserver``), for a client that needs torch."""
+        process = ForkedProcess(spec) if spec.get("warm") else None
+        super().__init__(CHILD_SCRIPT, json.dumps(spec), process=process)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._ready = False
         threading.Thread(target=self._read, daemon=True).start()

@@ -153,7 +153,8 @@ class AdapterFactory:
         spec = self.base.child_spec()
         if spec is None:
             return None
-        wrapped = {"factory": "test_torch_adapter_contract:adapter_client", "kwargs": spec}
+        wrapped = {"factory": "test_torch_adapter_contract:adapter_client", "kwargs": spec,
+                   "warm": True}  # (forked from a process that imported torch once)
         return {**wrapped, "prefix": PREFIX} if self.through_c10d else wrapped
 
     def blocked(self) -> int:
