@@ -11,6 +11,7 @@ of one peer, with the part of ``subprocess.Popen`` that :class:`_child_process.P
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, TextIO
 
 SCRIPT = os.path.abspath(__file__)
 _servers: dict[str, subprocess.Popen[str]] = {}
@@ -42,9 +43,9 @@ class ForkedProcess:
             server.stdin.write(json.dumps({"spec": spec, "in": paths[0], "out": paths[1]}) + "\n")
             server.stdin.flush()
             self.pid = int(json.loads(server.stdout.readline())["pid"])
-        # (the peer opens them in this order too)
-        self.stdin = open(paths[0], "w")  # noqa: SIM115 (closed by the peer's owner)
-        self.stdout = open(paths[1])  # noqa: SIM115
+        # (the peer opens them in this order too: once it reads, it opens its output at once)
+        self.stdin = _writer(paths[0], self.pid)
+        self.stdout = open(paths[1])  # noqa: SIM115 (closed by the peer's owner)
         for path in paths:
             os.unlink(path)
         os.rmdir(folder)
@@ -72,6 +73,23 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _writer(path: str, pid: int, within: float = 60.0) -> TextIO:
+    """The peer's input, opened once the peer has opened it to read (bounded: a peer that died
+    first never does)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:  # ENXIO: no reader yet
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise TimeoutError(f"peer {pid} did not open its input within {within:g} s "
+                                   f"({exc})") from exc
+            time.sleep(0.005)
+    os.set_blocking(fd, True)
+    return open(fd, "w")  # noqa: SIM115 (closed by the peer's owner)
 
 
 def _server(module: str) -> subprocess.Popen[str]:
