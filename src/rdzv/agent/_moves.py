@@ -29,6 +29,10 @@ error taken for a lost peer)."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
+LOST_AT_START = "lost_at_start"
+"""The restart cause of workers that started in a group which lost a member (``_rules``'
+``_doomed_start``): no worker of the node failed, so neither the restart nor those workers'
+own exit counts against ``--max-restarts``."""
 
 
 def settled(node: Node) -> bool:

@@ -391,8 +391,8 @@ class Act:
     ``stop`` (signal), ``announce`` (this node leaves), ``leave_plans`` (step), ``next``
     (tell the old round's leavers), ``adopt`` (the workers run in the round), ``done``
     (mark finished, and wait for every node's mark), ``outside`` (mark this node, none of whose
-    workers is in the group, as one the others' end does not wait for), ``close`` (reason), ``exit`` (code), ``say`` (text), ``event`` (history),
-    ``probe`` (local rank: where is it?), ``hung`` (local rank, global rank, step, silent s,
+    workers is in the group, as one the others' end does not wait for), ``close`` (reason),
+    ``exit`` (code), ``say`` (text), ``event`` (history), ``probe`` (local rank: where is it?), ``hung`` (local rank, global rank, step, silent s,
     why, frame).
     """
 

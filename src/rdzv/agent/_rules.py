@@ -13,6 +13,7 @@ from typing import Any
 from ._hang import check_hangs
 from ._moves import (
     EXIT_BARRIER_TIMEOUT,
+    LOST_AT_START,
     TRANSITIONS,
     abandon,
     aborted,
@@ -184,7 +185,7 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     assert decision is not None and node.assignment is not None
     restarts = node.restarts
     if decision.kind is Kind.RESTART:
-        if node.restart_why is not None and node.restart_cause != "lost_at_start":
+        if node.restart_why is not None and node.restart_cause != LOST_AT_START:
             if restarts >= rules.max_restarts:
                 return fail(node, f"workers failed after {restarts} restart(s) "
                                    f"(--max-restarts {rules.max_restarts})")
@@ -274,7 +275,7 @@ def _doomed_start(node: Node) -> Node:
     slots = tuple(replace(s, state=Worker.BROKEN, step=None)
                   if s.state is Worker.STARTING and not s.join else s for s in node.slots)
     return replace(node, slots=slots, restart_why=node.restart_why or why,
-                   restart_cause=node.restart_cause or "lost_at_start")
+                   restart_cause=node.restart_cause or LOST_AT_START)
 
 
 def _on_abandoned(node: Node, event: Abandoned, now: float, rules: Rules) -> Result:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Shards, Term, Where
 from ._hang import QUIET, on_where
 from ._moves import (
+    LOST_AT_START,
     TRANSITIONS,
     abandon,
     after_failure,
@@ -176,7 +177,7 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if leaving:
         return exit_with(node, 0, say(f"leaving: {who} while the node was leaving; exiting"),
                      act("stop", signals.SIGTERM))
-    doomed = crashed.state is Worker.BROKEN and node.restart_cause == "lost_at_start"
+    doomed = crashed.state is Worker.BROKEN and node.restart_cause == LOST_AT_START
     if (doomed or (crashed.state is Worker.STARTING and node.inprocess is not False)) and \
             -event.code in (signals.SIGTERM, signals.SIGINT):
         # (a worker takes the signal as its node's notice once connected; killed by it before,
