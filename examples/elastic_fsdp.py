@@ -20,6 +20,9 @@ from the checkpoint):
 
     torchrun --nnodes 1:3 --nproc-per-node 2 --rdzv-backend rdzv-tcp \\
         --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job examples/elastic_fsdp.py
+
+``RDZV_EXAMPLE_FINISH_WITH=4:50`` in every node's environment holds the job at ``--steps`` as in
+``elastic_train.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from elastic_train import (
     FEATURES,
+    FinishWith,
     append_line,
     exit_now,
     make_dataset,
@@ -117,6 +121,7 @@ def replicas_agree(model: nn.Module) -> bool:
 
 def main() -> None:
     args = parse_flags(__doc__ or "", lr=0.002, checkpoint="elastic_fsdp.ckpt")  # (a directory)
+    finish = FinishWith(args.steps)
 
     device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
@@ -138,6 +143,7 @@ def main() -> None:
 
     @state.on_change  # after every switch; FSDP2's mesh is the node's, which does not change
     def check(state: rdzv.torch.ElasticState) -> None:
+        finish.changed(state)
         report_check(args, state, replicas_agree(model), "replicas")
 
     check(state)
@@ -148,7 +154,9 @@ def main() -> None:
     def train() -> torch.Tensor:
         """The training loop; state.run() calls it again after the group lost a member."""
         global_loss = torch.tensor(float("nan"))
-        for step in state.steps(args.steps):
+        for step in state.steps(finish.total):
+            if finish.before(step, state.world_size):
+                break
             rank, world_size = state.rank, state.world_size
             indices = shard(step, args.batch_size, rank, world_size)
             optimizer.zero_grad()

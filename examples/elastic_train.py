@@ -176,14 +176,33 @@ def report_start(state: rdzv.torch.ElasticState) -> None:
         print(f"starting at step {state.step} with world size {state.world_size} ({how})", flush=True)
 
 
+class FinishWith:
+    """Where the job ends: at ``--steps``, or with ``RDZV_EXAMPLE_FINISH_WITH=W:N`` (see above)
+    once past it and the world size is W in a group that has not changed for N steps."""
+
+    def __init__(self, steps: int) -> None:
+        world, _, after = (os.environ.get("RDZV_EXAMPLE_FINISH_WITH") or "0").partition(":")
+        self.steps, self.world, self.after = steps, int(world), int(after or 0)
+        self.total = 10 * steps if self.world else steps
+        self.entered: int | None = None  # the step at which the group began (all ranks agree)
+
+    def changed(self, state: rdzv.torch.ElasticState) -> None:
+        """A new group begins (on_change); a worker restored from its checkpoint (not agreed
+        yet) counts from its first step."""
+        self.entered = state.step if state.received or self.entered is not None else None
+
+    def before(self, step: int, world_size: int) -> bool:
+        """Whether the job ends before ``step`` (every rank sees this step and group)."""
+        self.entered = step if self.entered is None else self.entered
+        return step >= self.steps and world_size >= self.world and step - self.entered >= self.after
+
+
 def main() -> None:
     args = parse_flags(__doc__ or "", lr=0.05, checkpoint="elastic_train.ckpt")
     slow = float(os.environ.get("RDZV_EXAMPLE_SLOW", "0"))
     slow_from = int(os.environ.get("RDZV_EXAMPLE_SLOW_FROM", "0"))
     hang_at = int(os.environ.get("RDZV_EXAMPLE_HANG_AT", "-1"))
-    finish_with, _, finish_after = (os.environ.get("RDZV_EXAMPLE_FINISH_WITH") or "0").partition(":")
-    hold = (int(finish_with), int(finish_after or 0))  # (world size, steps in the same group)
-    total = 10 * args.steps if hold[0] else args.steps
+    finish = FinishWith(args.steps)
 
     device = pick_device(args.device)
     inputs, targets = (tensor.to(device) for tensor in make_dataset())
@@ -200,7 +219,6 @@ def main() -> None:
         state.step = load_checkpoint(args.checkpoint, model, optimizer)
 
     ddp: DistributedDataParallel
-    entered: list[int | None] = [None]  # the step at which the group began (all ranks agree)
 
     @state.on_change  # after every switch to a new group; called once below for the first one
     def rebuild(state: rdzv.torch.ElasticState) -> None:
@@ -209,15 +227,13 @@ def main() -> None:
         a collective, which every rank of the group runs, newcomers included."""
         nonlocal ddp
         ddp = DistributedDataParallel(model, init_sync=False)
-        entered[0] = state.step
+        finish.changed(state)
         report_check(args, state, parameters_agree(model), "parameters")
 
     rebuild(state)
-    if not state.received:  # (restored from the checkpoint: agreed at the first step)
-        entered[0] = None
     report_start(state)
     if state.rank == 0 or state.received:
-        if state.step >= total:
+        if state.step >= finish.total:
             print(f"the checkpoint already has {state.step} steps: nothing to do (ask for more with "
                   f"--steps {state.step + args.steps})", flush=True)
     saving = [0.0]  # seconds rank 0 spent writing checkpoints since its last progress line
@@ -225,10 +241,9 @@ def main() -> None:
     def train() -> torch.Tensor:
         """The training loop; state.run() calls it again after the group lost a member."""
         global_loss = torch.tensor(float("nan"))
-        for step in state.steps(total):
-            entered[0] = step if entered[0] is None else entered[0]
-            if step >= args.steps and state.world_size >= hold[0] and step - entered[0] >= hold[1]:
-                break  # (RDZV_EXAMPLE_FINISH_WITH: every rank sees this step and group)
+        for step in state.steps(finish.total):
+            if finish.before(step, state.world_size):
+                break
             if step == hang_at:
                 print(f"rank {state.rank} hangs at step {step} (RDZV_EXAMPLE_HANG_AT)", flush=True)
                 threading.Event().wait()  # a deadlock in the program's own code

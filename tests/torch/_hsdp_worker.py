@@ -36,7 +36,7 @@ def replicas_agree(model: nn.Module) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--step-sleep", type=float, default=0.02)
+    parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--slow-file", default=None)
     parser.add_argument("--slow-seconds", type=float, default=1.0)
     parser.add_argument("--setup-seconds", type=float, default=0.0)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from _launcher import EXAMPLES, PYTHON, RDZV_RUN, Launcher, free_port
 from _waiting import eventually as wait_for
+from test_inprocess import TOOK
 
 EXAMPLE = str(EXAMPLES / "elastic_fsdp.py")
 PHASE_TIMEOUT = 150.0
@@ -32,7 +33,9 @@ def lines(path: Path) -> list[dict[str, Any]]:
 
 
 def rdzv_run(tmp_path: Path, port: int, nnodes: str, steps: int, restarts: int = 0) -> list[str]:
-    """An agent of two workers running the example; the first round waits 5 s for more nodes."""
+    """An agent of two workers running the example; the first round waits 5 s for more nodes.
+    Steps of ~0.2 s (a FSDP2 step costs a worker ~25 ms of CPU here): the running workers leave
+    the CPU to the newcomers' starts, which set each test's pace."""
     return [*RDZV_RUN, "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "tcp",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hsdp",
             "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
@@ -40,7 +43,7 @@ def rdzv_run(tmp_path: Path, port: int, nnodes: str, steps: int, restarts: int =
             EXAMPLE, "--steps", str(steps), "--checkpoint", str(tmp_path / "ckpt"),
             "--progress", str(tmp_path / "progress.jsonl"), "--checks",
             str(tmp_path / "checks.jsonl"), "--log-every", "1", "--save-every", "1000",
-            "--step-sleep", "0.03"]
+            "--step-sleep", "0.15"]
 
 
 def phase(condition: Any, what: str, *nodes: Any) -> None:
@@ -66,26 +69,26 @@ def test_sharded_training_survives_a_join_a_leave_and_a_kill_in_process(
     def steps_at(world_size: int, after: int = 0) -> int:
         return sum(1 for e in lines(log)[after:] if e["world_size"] == world_size)
 
-    phase(lambda: steps_at(4) >= 20, "20 steps of 2 nodes", first, second)
+    phase(lambda: steps_at(4) >= 10, "10 steps of 2 nodes", first, second)
     third = launcher.start(args)
-    phase(lambda: steps_at(6) >= 20, "20 steps of 3 nodes after a join", first, second, third)
+    phase(lambda: steps_at(6) >= 10, "10 steps of 3 nodes after a join", first, second, third)
     before = len(lines(log))
     second.signal(signal.SIGTERM)  # the agent only: its workers train on until the switch
     assert second.wait(PHASE_TIMEOUT) == 0, second.output()[-5000:]
-    phase(lambda: steps_at(4, before) >= 20, "20 steps after a graceful leave", first, third)
+    phase(lambda: steps_at(4, before) >= 10, "10 steps after a graceful leave", first, third)
     before = len(lines(log))
     os.killpg(third.pid, signal.SIGKILL)  # the agent and both its workers, mid-step
     third.wait(PHASE_TIMEOUT)
-    phase(lambda: steps_at(2, before) >= 20 and len(lines(checks)) >= 4,
-          "20 steps and a check after the kill", first)
+    phase(lambda: steps_at(2, before) >= 10 and len(lines(checks)) >= 4,
+          "10 steps and a check after the kill", first)
     first.signal(signal.SIGTERM)  # the last node, alone: it stops its workers and ends
     assert first.wait(PHASE_TIMEOUT) == 128 + signal.SIGTERM, first.output()[-8000:]
 
     text = first.output()
     # --max-restarts 0 and one start of the node's two workers: nothing restarted.
     assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text
-    switches = [int(s) for s in re.findall(r"switched in \d+ ms at step (\d+)", text)]
-    recoveries = [int(s) for s in re.findall(r"recovered in-process in \d+ ms at step (\d+)",
+    switches = [int(s) for s in re.findall(rf"switched in {TOOK} at step (\d+)", text)]
+    recoveries = [int(s) for s in re.findall(rf"recovered in-process in {TOOK} at step (\d+)",
                                              text)]
     assert len(switches) == 2 and len(recoveries) == 1, text
     assert "restarting" not in text
@@ -145,13 +148,14 @@ def test_sharded_checkpoint_resumes_under_torchrun_and_on_more_nodes(
 def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
         launcher: Launcher, tmp_path: Path) -> None:
     log, checks = tmp_path / "progress.jsonl", tmp_path / "checks.jsonl"
-    # ~370 steps after the crash: time for the node's two new workers to start and join (16 s
-    # on a loaded machine)
-    args = rdzv_run(tmp_path, free_port(), "2", 400, restarts=1)
-    first = launcher.start(args)
+    # Past its 40 steps, the job trains on until both nodes have trained 10 steps in one group:
+    # time for the node's two new workers to start and join (16 s on a loaded machine)
+    args = rdzv_run(tmp_path, free_port(), "2", 40, restarts=1)
+    finish = {"RDZV_EXAMPLE_FINISH_WITH": "4:10"}
+    first = launcher.start(args, finish)
     wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    second = launcher.start(args)
-    wait_for(lambda: len(lines(log)) >= 30, PHASE_TIMEOUT, "30 steps of 2 nodes")
+    second = launcher.start(args, finish)
+    wait_for(lambda: len(lines(log)) >= 15, PHASE_TIMEOUT, "15 steps of 2 nodes")
     workers = Path(f"/proc/{second.pid}/task/{second.pid}/children").read_text().split()
     os.kill(int(workers[-1]), signal.SIGKILL)  # one worker of the second node
     assert [first.wait(PHASE_TIMEOUT * 2), second.wait(PHASE_TIMEOUT)] == [0, 0], (
@@ -165,7 +169,7 @@ def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
                           r"\(joined a running job\)", crashed)) == 2, crashed[-5000:]
     text = first.output()
     assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text  # the first: no restart
-    assert re.search(r"recovered in-process in \d+ ms at step \d+: 2 node\(s\), world size 2",
+    assert re.search(rf"recovered in-process in {TOOK} at step \d+: 2 node\(s\), world size 2",
                      text), text
     checked = lines(checks)
     assert [c["world_size"] for c in checked] == [4, 2, 4], checked
@@ -173,7 +177,7 @@ def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
     steps = [e["step"] for e in lines(log)]
     jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
     assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
-    assert steps[-1] == 400
+    assert steps[-1] >= 40 and checked[-1]["step"] <= steps[-1] - 10, (checked, steps[-1])
 
 
 @pytest.mark.timeout(600)
@@ -191,7 +195,7 @@ def test_a_recovery_taken_between_steps_frees_a_local_peer_waiting_in_the_next_s
             "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
             "--stop-timeout", "5", "--max-restarts", "0", str(Path(__file__).parent /
                                                               "_hsdp_worker.py"),
-            "--steps", "300", "--slow-file", str(slow), "--slow-seconds", "2"]
+            "--steps", "100", "--slow-file", str(slow), "--slow-seconds", "2"]
     first = launcher.start(args)  # it serves the store, and stays
     wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
     second = launcher.start(args)
@@ -212,11 +216,11 @@ def test_a_recovery_taken_between_steps_frees_a_local_peer_waiting_in_the_next_s
 
     text = first.output()
     assert len(re.findall(r"started 2 worker\(s\)", text)) == 1, text[-8000:]
-    assert re.search(r"recovered in-process in \d+ ms at step \d+: 1 node\(s\), world size 2",
+    assert re.search(rf"recovered in-process in {TOOK} at step \d+: 1 node\(s\), world size 2",
                      text), text[-8000:]
     assert "ends itself" not in text, text[-8000:]
     assert "world size 2 at step" in text and "DIFFERENT" not in text, text[-8000:]
-    assert "done: 300 steps" in text, text[-8000:]
+    assert "done: 100 steps" in text, text[-8000:]
 
 
 @pytest.mark.timeout(600)
@@ -242,7 +246,7 @@ def test_a_newcomer_node_sets_up_before_the_running_workers_pause_and_restarts_a
     setting_up = r"pid (\d+) sets up for 4\.0 s"
     phase(lambda: re.search(setting_up, third.output()), "the newcomer's set-up", *nodes)
     os.kill(int(re.findall(setting_up, third.output())[0]), signal.SIGKILL)
-    joined = r"switched in (\d+) ms at step (\d+): 3 node\(s\), world size 6"
+    joined = r"switched in (\d+) ms(?: \([^)]*\))? at step (\d+): 3 node\(s\), world size 6"
     phase(lambda: re.search(joined, nodes[0].output()), "the join", *nodes)
     phase(lambda: "world size 6 at step" in nodes[0].output(), "the check after the join",
           *nodes)
