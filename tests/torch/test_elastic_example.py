@@ -1,8 +1,10 @@
 """examples/elastic_train.py under ``rdzv run``: 2 nodes, a third joins, one is killed; both changes
-are made in-process and training goes on.
+are made in-process and training goes on, and the run's history records them: the join as a
+switch and the SIGKILLed node as a recovery, each with its step and how long training paused.
 
-Each node is a real agent (``python -m rdzv.run``) with 2 workers on loopback; rank 0 of the
-example appends its progress (step, world size, loss) to a JSON-lines file the test reads.
+Each node is a real agent (``python -m rdzv.run``) with 2 workers on loopback, on a standalone
+store server (``rdzv serve``); rank 0 of the example appends its progress (step, world size,
+loss) to a JSON-lines file the test reads.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _launcher import EXAMPLES, RDZV_RUN, Launcher, free_port
+from _launcher import EXAMPLES, PYTHON, RDZV_RUN, Launcher, free_port
 from _waiting import eventually as wait_for
+
+from rdzv.rendezvous import format_event, read_events
+from rdzv.store._tcp import TCPStore
 
 EXAMPLE = str(EXAMPLES / "elastic_train.py")
 STEPS = 400
@@ -31,19 +36,21 @@ def progress(path: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(900)
 def test_training_goes_on_through_a_join_and_a_kill(launcher: Launcher, tmp_path: Path) -> None:
+    port = free_port()
+    server = launcher.start([PYTHON, "-m", "rdzv", "serve", "--host", "127.0.0.1",
+                             "--port", str(port)])
+    wait_for(lambda: "listening on" in server.output(), PHASE_TIMEOUT, "the store server")
     log = tmp_path / "progress.jsonl"
     agent_args = [
         *RDZV_RUN, "--nnodes", "2:3", "--nproc-per-node", "2",
-        "--rdzv-backend", "tcp", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "job",
-        "--rdzv-conf", "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3",
+        "--rdzv-backend", "tcp", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+        "--rdzv-conf", "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=3,is_host=0",
         "--local-addr", "127.0.0.1", "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5",
-        "--max-restarts", "5",
+        "--max-restarts", "0",
         EXAMPLE, "--steps", str(STEPS), "--checkpoint", str(tmp_path / "model.ckpt"),
         "--progress", str(log), "--log-every", "5", "--save-every", "10", "--step-sleep", "0.05",
     ]
-    first = launcher.start(agent_args)
-    wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
-    second = launcher.start(agent_args)
+    first, second = launcher.start(agent_args), launcher.start(agent_args)
 
     def reached(world_size: int, steps: int, after: int = 0) -> bool:
         seen = [e for e in progress(log)[after:] if e["world_size"] == world_size]
@@ -87,3 +94,22 @@ def test_training_goes_on_through_a_join_and_a_kill(launcher: Launcher, tmp_path
     assert "switched in" in text and "recovered in-process" in text  # the join, the kill
     assert text.count("started 2 worker(s)") == 1, text  # no worker restarted
     assert f"done: {STEPS} steps" in text
+
+    store = TCPStore("127.0.0.1", port, timeout=30)
+    events = read_events(store, "job").events
+    store.close()
+    kinds = [e.kind for e in events]
+    switched = [e for e in events if e.kind == "switched_in_process" and not e.fields.get("newcomer")]
+    recovered = [e for e in events if e.kind == "recovered_in_process"]
+    timeline = "\n".join(format_event(e) for e in events)
+    assert len(switched) == 2, timeline  # the two members switched to the round of 3
+    assert len(recovered) == 2, timeline  # ... and recovered in the round without the third
+    for event in switched + recovered:
+        assert isinstance(event.fields["step"], int) and event.fields["pause_s"] >= 0
+    assert {e.round for e in recovered} == {max(e.round for e in events
+                                                if e.kind == "round_formed")}
+    lost = [e for e in events if e.kind == "node_lost"]
+    assert len(lost) == 1 and lost[0].fields["reason"] == "connection_lost", lost
+    started = [e for e in events if e.kind == "workers_started"]
+    assert len(started) == 3, started  # one start per node: nothing restarted
+    assert kinds.count("run_closed") == 1
