@@ -8,7 +8,8 @@ plans its agent sends, each the decision of a round for this worker (``rdzv._mes
   :meth:`ElasticState.step_done`, the worker replaces its process group with the new one (same
   process, fresh store prefix), the group agrees on its state (below) and the ``on_change``
   callbacks rebuild what depends on the group (DDP). A worker already past the step moves at its
-  next step boundary; one whose group failed meanwhile moves at once.
+  next step boundary; one whose group failed meanwhile moves at once. A node that shards the
+  model moves its workers at one boundary (:func:`due`).
 * ``leave`` (its node leaves): the worker stops its loop at the planned step.
 * ``recover`` (a member was lost): the agent aborts the group first, so a collective waiting on
   the lost peer fails at once; :meth:`ElasticState.run` catches the failure, reports the step
@@ -71,6 +72,23 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset")
 """What the message of a collective that failed because a peer is gone contains."""
+
+
+def due(plan: Plan, step: int, agreed: int | None) -> bool:
+    """Whether a worker at the end of its ``step`` acts on its agent's ``plan`` now.
+
+    A recovery: at once (its group is broken). A switch or a leave: from the planned step on,
+    and in a node that shards the model only if every worker of the node held this plan at the
+    step's commit (``agreed``: the round they all held, -1 if not one for all; None where the
+    step had no commit). A worker that heard of the plan a moment later than a local peer would
+    otherwise go on into the next step and wait there, in the node's group, for the peer that
+    moved, until the switch's timeout. Held back, the node's workers move together at a later
+    boundary: the next commit, or the failure of their next step in the old group (the other
+    nodes moved on), after which they enter the planned group as a recovery would.
+    """
+    if plan.kind is PlanKind.RECOVER or plan.step is None:
+        return True
+    return step >= plan.step and (agreed is None or agreed == plan.round)
 
 
 def _shards_of(model: torch.nn.Module | None,
@@ -157,6 +175,7 @@ class ElasticState:
         self._link.where = self._where
         if self._shards is not None:
             self._link.send(Shards())  # a crash restarts the node's workers together
+            self._shards.held = self._held
         joined = joined_plan()
         if joined is None:
             self._link.send(Progress(self.step))
@@ -234,9 +253,9 @@ class ElasticState:
         if now - self._reported >= PROGRESS_EVERY:
             self._reported = now
             link.send(Progress(self.step, self._step_time, *self._timer.take()))
+        agreed = self._shards.agreement() if self._shards is not None else None
         plan = link.peek()
-        if plan is not None and (plan.kind is PlanKind.RECOVER or plan.step is None or
-                                 self.step >= plan.step):
+        if plan is not None and due(plan, self.step, agreed):
             taken = link.take()
             if taken is not None:  # (an abort may have dropped it since)
                 self._move(*taken)
@@ -286,6 +305,14 @@ class ElasticState:
         step time: its hang watch waits for the next one)."""
         if self._link is not None:
             self._link.send(Progress(self.step))
+
+    def _held(self) -> int:
+        """The round of the switch or leave planned for this worker and not taken yet (-1:
+        none), for its node's commit."""
+        plan = self._link.peek() if self._link is not None else None
+        if plan is None or plan.kind is PlanKind.RECOVER or plan.step is None:
+            return -1
+        return plan.round
 
     def _where(self) -> Where:
         waiting, frame = self._timer.waiting(self._last or 0.0)

@@ -11,7 +11,9 @@ membership. What spans nodes is done here, anew for every group:
   what HSDP's replicate dimension does), followed by a one-number all_reduce among the node's
   workers, the **commit**: a node applies a step on all its shards or on none, so that a node
   lost mid-step leaves survivors that each hold a whole state (``_agreement.agree`` takes its
-  source among them); a worker that goes to a recovery cuts the node's group (its local peers'
+  source among them). The commit also says which of its agent's plans every worker of the node
+  holds (:meth:`Sharded.agreement`): a planned switch or leave is taken by the node's workers
+  at one step boundary or by none of them (see ``_elastic.due``). A worker that goes to a recovery cuts the node's group (its local peers'
   commit, or any wait of theirs in it, fails at once; see ``_nodegroup``), and when the node
   makes it anew, FSDP2's references to it are pointed at the new one (:func:`_repoint`);
 * the **state** a newcomer receives: this worker's shard of the model and optimizer (DCP's
@@ -22,7 +24,7 @@ membership. What spans nodes is done here, anew for every group:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,10 @@ class Sharded:
         self.quiet = False
         """While the state is prepared for a transfer: an optimizer step then is no training
         step (DCP's initialisation of an empty optimizer state)."""
+        self.held: Callable[[], int] | None = None
+        """Under ``rdzv run``: the round of the switch or leave this worker's agent planned and
+        the worker has not taken yet (-1: none)."""
+        self._agreed: int | None = None
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_step)
 
@@ -104,7 +110,12 @@ class Sharded:
         of the node learns whether all of them could, and a node applies the step on every
         shard or on none (GroupLost: the group failed). Called before the optimizer's step (or
         before clipping the gradients, by :meth:`ElasticState.reduce_gradients`)."""
-        if self.reduced or self.count == 1:  # (one node: no replica to agree with)
+        if self.reduced:
+            return
+        if self.count == 1:  # one node: no replica to agree with, only on the agent's plan
+            if self.held is not None and self.node.size > 1:
+                self._commit(True)
+                self.reduced = True
             return
         error: BaseException | None = None
         try:
@@ -118,11 +129,21 @@ class Sharded:
         self.reduced = True
 
     def _commit(self, done: bool) -> bool:
-        """Whether every worker of the node completed its step (a 4-byte all_reduce among
-        them)."""
-        flag = torch.tensor([int(done)], dtype=torch.int32, device=self.node.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.node.pg)
-        return bool(flag.item())
+        """Whether every worker of the node completed its step, and which plan all of them
+        hold (:meth:`agreement`): one all_reduce of three numbers among them."""
+        held = self.held() if self.held is not None else -1
+        flags = torch.tensor([int(done), held, -held], dtype=torch.int64, device=self.node.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.node.pg)
+        completed, lowest, highest = (int(value) for value in flags.tolist())
+        self._agreed = lowest if lowest == -highest else -1
+        return bool(completed)
+
+    def agreement(self) -> int | None:
+        """The round of the plan every worker of the node held at the commit since the last
+        call (-1: not one plan for all, or none), None if there was no commit (a step without
+        the optimizer's, or torchrun)."""
+        agreed, self._agreed = self._agreed, None
+        return agreed
 
     def abandon(self) -> None:
         """This worker leaves its step for a recovery (a collective failed under it, or it took
