@@ -121,7 +121,7 @@ def test_a_worker_that_misses_the_switch_makes_the_agents_restart(launcher: Laun
                                                                   tmp_path: Path) -> None:
     stall = tmp_path / "stall"
     args = agent_args(tmp_path, free_port(), "--switch-timeout", "3", "--max-restarts", "3") + [
-        WORKER, "--steps", "300", "--stall-file", str(stall), "--stall-rank", "1",
+        WORKER, "--steps", "150", "--stall-file", str(stall), "--stall-rank", "1",
         "--stall-seconds", "60",  # past the join (seconds under load), the switch and the abort's
     ]                             # grace: the stall ends only with the worker
     first = launcher.start(args)
@@ -140,7 +140,7 @@ def test_a_worker_that_misses_the_switch_makes_the_agents_restart(launcher: Laun
     # alone (it did not leave the aborted group within the abort's grace and ended itself)
     assert re.search(r"restarting (the workers|it alone) \(restart [1-3] of 3\)", outputs), (
         outputs[-8000:])
-    assert "done: 300 steps" in first.output()
+    assert "done: 150 steps" in first.output()
 
 
 def test_elastic_state_outside_a_launcher_says_what_to_do() -> None:
