@@ -27,12 +27,15 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-LONG_FIRST = ("torch", "trainchaos", "clusters", "rendezvous/test_etcd_backend.py",
-              "store/test_torch_adapter_contract.py", "agent/test_agent.py", "etcd", "chaos")
+LONG_FIRST = ("torch/test_inprocess.py", "torch/test_overlaps.py", "torch/test_hsdp.py",
+              "torch/test_health.py", "torch/test_torchrun.py", "clusters", "trainchaos", "torch",
+              "rendezvous/test_etcd_backend.py", "store/test_torch_adapter_contract.py",
+              "agent/test_agent.py", "etcd", "chaos")
 """Folders and files that run longest (real training jobs, soaks, a Slurm cluster, two etcd
-versions, torch in every peer), collected first (in each of the two parts ``scripts/test``
-runs): the workers start on them and the many short files fill the end, instead of one long file
-running alone at the end while the other workers idle. (pyproject.toml's addopts pass ``--no-loadscope-reorder``: by default pytest-xdist
+versions, torch in every peer), collected first, the longest first (in each of the two parts
+``scripts/test`` runs): the workers start on them and the many short files fill the end, instead
+of one long file running alone at the end while the other workers idle (the training part took
+~20 s longer with the soak and the Slurm cluster, ~70 s each, last). (pyproject.toml's addopts pass ``--no-loadscope-reorder``: by default pytest-xdist
 hands out the files with the most tests first, which put the longest, with few tests, last.)"""
 
 

@@ -148,9 +148,10 @@ def test_sharded_checkpoint_resumes_under_torchrun_and_on_more_nodes(
 def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
         launcher: Launcher, tmp_path: Path) -> None:
     log, checks = tmp_path / "progress.jsonl", tmp_path / "checks.jsonl"
-    # Past its 40 steps, the job trains on until both nodes have trained 10 steps in one group:
-    # time for the node's two new workers to start and join (16 s on a loaded machine)
-    args = rdzv_run(tmp_path, free_port(), "2", 40, restarts=1)
+    # Past its 80 steps, the job trains on until both nodes have trained 10 steps in one group:
+    # time for the node's two new workers to start and join (16 s on a loaded machine); the
+    # 65 steps after the 15th (~13 s) are the test's time to kill the worker
+    args = rdzv_run(tmp_path, free_port(), "2", 80, restarts=1)
     finish = {"RDZV_EXAMPLE_FINISH_WITH": "4:10"}
     first = launcher.start(args, finish)
     wait_for(lambda: "waiting for nodes" in first.output(), PHASE_TIMEOUT, "the first agent")
@@ -177,7 +178,7 @@ def test_a_crashed_worker_restarts_with_its_node_and_rejoins_from_a_replica(
     steps = [e["step"] for e in lines(log)]
     jumps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
     assert len(jumps) <= 1 and all(b in (a, a + 2) for a, b in jumps), jumps
-    assert steps[-1] >= 40 and checked[-1]["step"] <= steps[-1] - 10, (checked, steps[-1])
+    assert steps[-1] >= 80 and checked[-1]["step"] <= steps[-1] - 10, (checked, steps[-1])
 
 
 @pytest.mark.timeout(600)

@@ -77,18 +77,22 @@ PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset")
 def due(plan: Plan, step: int, agreed: int | None) -> bool:
     """Whether a worker at the end of its ``step`` acts on its agent's ``plan`` now.
 
-    A recovery: at once (its group is broken). A switch or a leave: from the planned step on,
-    and in a node that shards the model only if every worker of the node held this plan at the
-    step's commit (``agreed``: the round they all held, -1 if not one for all; None where the
-    step had no commit). A worker that heard of the plan a moment later than a local peer would
-    otherwise go on into the next step and wait there, in the node's group, for the peer that
-    moved, until the switch's timeout. Held back, the node's workers move together at a later
-    boundary: the next commit, or the failure of their next step in the old group (the other
-    nodes moved on), after which they enter the planned group as a recovery would.
+    A recovery: at once (its group is broken). A leave: from the planned step on (a local peer
+    that goes on into the next step is freed when the leaver's process ends). A switch: from
+    the planned step on, and in a node that shards the model only if every worker of the node
+    held this plan at the step's commit (``agreed``: the round they all held, -1 if not one for
+    all; None where the step had no commit: the step rule alone). A worker that heard of the
+    plan a moment later than a local peer would otherwise go on into the next step and wait
+    there, in the node's group, for the peer that moved, until the switch's timeout. Held back,
+    the node's workers move together at a later boundary: the next commit, or (the other nodes
+    moved on) the failure of their next step in the old group, after which they enter the
+    planned group as a recovery would.
     """
     if plan.kind is PlanKind.RECOVER or plan.step is None:
         return True
-    return step >= plan.step and (agreed is None or agreed == plan.round)
+    if step < plan.step:
+        return False
+    return plan.kind is PlanKind.LEAVE or agreed is None or agreed == plan.round
 
 
 def _shards_of(model: torch.nn.Module | None,
@@ -256,8 +260,8 @@ class ElasticState:
         agreed = self._shards.agreement() if self._shards is not None else None
         plan = link.peek()
         if plan is not None and due(plan, self.step, agreed):
-            taken = link.take()
-            if taken is not None:  # (an abort may have dropped it since)
+            taken = link.take(plan)
+            if taken is not None:  # (an abort may have dropped it since, or a newer replaced it)
                 self._move(*taken)
 
     def reduce_gradients(self) -> None:
@@ -307,12 +311,10 @@ class ElasticState:
             self._link.send(Progress(self.step))
 
     def _held(self) -> int:
-        """The round of the switch or leave planned for this worker and not taken yet (-1:
-        none), for its node's commit."""
+        """The round of the switch planned for this worker and not taken yet (-1: none), for
+        its node's commit."""
         plan = self._link.peek() if self._link is not None else None
-        if plan is None or plan.kind is PlanKind.RECOVER or plan.step is None:
-            return -1
-        return plan.round
+        return plan.round if plan is not None and plan.kind is PlanKind.SWITCH else -1
 
     def _where(self) -> Where:
         waiting, frame = self._timer.waiting(self._last or 0.0)

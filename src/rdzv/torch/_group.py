@@ -198,14 +198,16 @@ class AgentLink:
         """The newest plan not taken yet."""
         return self._plan
 
-    def take(self) -> tuple[Plan, int] | None:
-        """Take the newest plan, with the abort count it was taken at (None: an abort dropped
-        it since :meth:`peek`)."""
+    def take(self, seen: Plan) -> tuple[Plan, int] | None:
+        """Take ``seen``, the plan :meth:`peek` gave, with the abort count it was taken at
+        (None: an abort dropped it since, or a newer plan replaced it, which is left for the
+        next step boundary to weigh)."""
         with self._cond:
-            plan, self._plan = self._plan, None
-            if plan is not None:
-                self._moves += 1
-            return None if plan is None else (plan, group_sockets.aborts)
+            if self._plan is not seen:
+                return None
+            self._plan = None
+            self._moves += 1
+            return seen, group_sockets.aborts
 
     def wait(self) -> tuple[Plan, int]:
         """Wait for the next plan (with the aborts counted when it was taken); SwitchError if

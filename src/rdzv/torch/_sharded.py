@@ -8,14 +8,15 @@ membership. What spans nodes is done here, anew for every group:
 * the **replica group** of each worker: the workers with its local rank on every node
   (``dist.new_group`` for each local rank, in the job's group), over which the gradients' shards
   are averaged before each optimizer step (:meth:`Sharded.reduce`: one all_reduce per bucket,
-  what HSDP's replicate dimension does), followed by a one-number all_reduce among the node's
+  what HSDP's replicate dimension does), followed by a three-number all_reduce among the node's
   workers, the **commit**: a node applies a step on all its shards or on none, so that a node
   lost mid-step leaves survivors that each hold a whole state (``_agreement.agree`` takes its
   source among them). The commit also says which of its agent's plans every worker of the node
-  holds (:meth:`Sharded.agreement`): a planned switch or leave is taken by the node's workers
-  at one step boundary or by none of them (see ``_elastic.due``). A worker that goes to a recovery cuts the node's group (its local peers'
-  commit, or any wait of theirs in it, fails at once; see ``_nodegroup``), and when the node
-  makes it anew, FSDP2's references to it are pointed at the new one (:func:`_repoint`);
+  holds (:meth:`Sharded.agreement`): a planned switch is taken by the node's workers at one
+  step boundary or by none of them (see ``_elastic.due``). A worker that goes to a recovery
+  cuts the node's group (its local peers' commit, or any wait of theirs in it, fails at once;
+  see ``_nodegroup``), and when the node makes it anew, FSDP2's references to it are pointed at
+  the new one (:func:`_repoint`);
 * the **state** a newcomer receives: this worker's shard of the model and optimizer (DCP's
   sharded state dicts, their DTensors as local tensors), sent by the worker of the same local
   rank on the source node: all local ranks in parallel, over the new group.
@@ -68,8 +69,8 @@ class Sharded:
         """While the state is prepared for a transfer: an optimizer step then is no training
         step (DCP's initialisation of an empty optimizer state)."""
         self.held: Callable[[], int] | None = None
-        """Under ``rdzv run``: the round of the switch or leave this worker's agent planned and
-        the worker has not taken yet (-1: none)."""
+        """Under ``rdzv run``: the round of the switch this worker's agent planned and the
+        worker has not taken yet (-1: none)."""
         self._agreed: int | None = None
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_step)
