@@ -392,8 +392,8 @@ class Act:
     (tell the old round's leavers), ``adopt`` (the workers run in the round), ``done``
     (mark finished, and wait for every node's mark), ``outside`` (mark this node, none of whose
     workers is in the group, as one the others' end does not wait for), ``close`` (reason),
-    ``exit`` (code), ``say`` (text), ``event`` (history), ``probe`` (local rank: where is it?), ``hung`` (local rank, global rank, step, silent s,
-    why, frame).
+    ``exit`` (code), ``say`` (text), ``event`` (history), ``probe`` (local rank: where is
+    it?), ``hung`` (local rank, global rank, step, silent s, why, frame).
     """
 
     what: str
