@@ -83,6 +83,27 @@ def test_a_third_agent_joining_mid_run_grows_the_group_to_six(agents: Any, rdzv:
         "in-process" in text, text
 
 
+def test_restart_on_change_takes_a_join_at_once_while_the_workers_start(
+    agents: Any, rdzv: Any
+) -> None:
+    """Under ``--restart-on-change`` a node that joins while the others' workers are starting
+    restarts them at once: the agents do not first wait for those workers to connect (here,
+    up to the 300 s of ``--worker-connect-timeout``: longer than the test waits), since the
+    change restarts them whatever they would report."""
+    args = rdzv.args("2:3", 2, "--restart-on-change", "--worker-connect-timeout", "300")
+    args += rdzv.worker("--until", rdzv.stop_file)
+    nodes = rdzv.start(agents, 2, args)
+    rdzv.running(4)  # (started, not connected: workers without the in-process API)
+    nodes.append(agents.start(args))
+    records = rdzv.running(6)
+    assert {r["GROUP_WORLD_SIZE"] for r in records} == {"3"}
+    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"0"}  # not a failure
+    rdzv.stop()
+    assert [node.wait() for node in nodes] == [0, 0, 0]
+    assert "restarting the workers in the new round: node 0's workers do not switch " \
+        "in-process" in nodes[0].output()
+
+
 def test_sigkill_of_an_agent_makes_the_others_reform_and_carry_on(
     agents: Any, rdzv: Any
 ) -> None:

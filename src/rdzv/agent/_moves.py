@@ -35,9 +35,10 @@ LOST_AT_START = "lost_at_start"
 own exit counts against ``--max-restarts``."""
 
 
-def settled(node: Node) -> bool:
+def settled(node: Node, rules: Rules) -> bool:
     """Whether this node's record can be final: no worker it waits for is still starting."""
-    return all(s.report(node.inprocess) is not SlotState.STARTING for s in node.slots)
+    api = node.recorded_api(rules.restart_on_change)
+    return all(s.report(api) is not SlotState.STARTING for s in node.slots)
 
 
 def with_slot(node: Node, local_rank: int, **changes: Any) -> Node:
@@ -172,9 +173,9 @@ def after_failure(node: Node, why: str, now: float, rules: Rules) -> Result:
     return node, [told]  # forming or settling: the record says so
 
 
-def settle(node: Node, acts: list[Act]) -> Result:
+def settle(node: Node, acts: list[Act], rules: Rules) -> Result:
     """Write the record; final (and on to AWAITING) once the workers are settled."""
-    if not settled(node):
+    if not settled(node, rules):
         return node, acts + [act("record")]
     return replace(node, phase=Phase.AWAITING, record_final=True), acts + [act("record")]
 

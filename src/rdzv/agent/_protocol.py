@@ -222,6 +222,12 @@ class Node:
     def coordinator(self) -> bool:
         return self.group_rank == 0
 
+    def recorded_api(self, restart_on_change: bool) -> bool | None:
+        """Whether the node's record takes its workers for users of the in-process API. Not
+        under ``--restart-on-change``: every change restarts them, so a worker still starting
+        is not waited for (what it would report cannot change the round's decision)."""
+        return False if restart_on_change else self.inprocess
+
     @property
     def live(self) -> list[int]:
         return [lr for lr, s in enumerate(self.slots) if s.state not in (

@@ -45,12 +45,13 @@ def build_record(node: Node, config: LaunchConfig, host: str, port: int,
     """This node's record now: what each of its workers holds, at which step (extrapolated by
     the decision from ``sampled``), and the group they are in."""
     group, wall, now = node.group, time.time(), time.monotonic()
+    api = node.recorded_api(config.restart_on_change)
     running = [s for s in node.slots if s.state is Worker.RUNNING and s.sampled]
     sampled = max((s.sampled for s in running), default=now)
     return NodeRecord(
-        slots=tuple(SlotReport(s.report(node.inprocess), s.step) for s in node.slots),
+        slots=tuple(SlotReport(s.report(api), s.step) for s in node.slots),
         role=config.role, host=host, port=port, final=node.record_final,
-        inprocess=False if config.restart_on_change else node.inprocess,
+        inprocess=api,
         restart=node.restart_why, restart_cause=node.restart_cause,
         lineage=group.prefix if group else None, offset=group.offset if group else None,
         group_size=group.size if group else None, held=group.held(node.slots) if group else (),

@@ -80,23 +80,25 @@ def step(node: Node, event: Any, now: float, rules: Rules) -> Result:
 # -- the round ------------------------------------------------------------------------------
 def _on_formed(node: Node, event: Formed, now: float, rules: Rules) -> Result:
     deadline = now + rules.switch_timeout
-    if not settled(node):  # workers starting: they connect within the grace, or never
+    if not settled(node, rules):  # workers starting: they connect within the grace, or never
         deadline = (node.started + rules.connect_grace if node.inprocess is None else
                     now + max(rules.switch_timeout, rules.connect_grace))
     node = replace(node, phase=Phase.SETTLING, gen=event.gen, group_rank=event.group_rank,
                    nodes=event.nodes, decision=None, assignment=None, hint=None,
                    hint_written=False, record_final=False, deadline=deadline)
     acts = [act("watch", node.gen)]
-    if node.coordinator and (node.inprocess is not None or not node.live):
+    restarts = rules.restart_on_change  # (no change is in-process: known before any start)
+    if node.coordinator and (node.inprocess is not None or not node.live or restarts):
         # (None, nobody's workers running yet: the newcomers start theirs with the others,
         # and do not take the program for one without the API while they start)
-        hint = None if node.inprocess is None else node.inprocess and not rules.restart_on_change
+        first = node.inprocess is None and not node.live
+        hint = None if first else False if restarts else node.inprocess
         node = replace(node, hint_written=True)
         acts.append(act("hint", hint))
     finished = any(s.state is Worker.DONE for s in node.slots)
     if not node.live and not node.coordinator and not finished:
         return node, acts + [act("record")]  # a newcomer: it waits for the hint
-    return settle(node, acts)
+    return settle(node, acts, rules)
 
 
 def _on_hinted(node: Node, event: Hinted, now: float, rules: Rules) -> Result:
@@ -107,10 +109,10 @@ def _on_hinted(node: Node, event: Hinted, now: float, rules: Rules) -> Result:
     if event.inprocess and not rules.restart_on_change:
         slots = tuple(replace(s, state=Worker.STARTING, step=None, join=True,
                               batch=node.restarts) for s in node.slots)
-        moved, acts = settle(replace(node, slots=slots, inprocess=True, started=now), [])
+        moved, acts = settle(replace(node, slots=slots, inprocess=True, started=now), [], rules)
         return moved, [say("the job runs in-process: starting the workers now; they join it "
                             "once warm"), act("start", True), *acts]
-    return settle(node, [])
+    return settle(node, [], rules)
 
 
 def _on_records(node: Node, event: RecordsIn, now: float, rules: Rules) -> Result:
@@ -249,7 +251,7 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     if phase in (Phase.AWAITING, Phase.ENTERING) and node.decision and event.lost:
         return abandon(node, "a participant of the new group was lost")
     if doomed and phase is Phase.SETTLING:  # (a leaver: its record is final now)
-        return settle(node, [])
+        return settle(node, [], rules)
     return node, []  # (a node that abandons the round says so: Abandoned)
 
 
@@ -329,7 +331,7 @@ def _on_time(node: Node, now: float, rules: Rules) -> Result:
             acts.insert(0, act("hint", False))
         if node.inprocess is None and node.live:  # workers that never connect do not use the API
             node = replace(node, inprocess=False)
-        elif not settled(node):
+        elif not settled(node, rules):
             node = replace(node, restart_cause="connect_timeout",
                            restart_why=f"the workers did not connect to their agent "
                                              f"within {timeout}")

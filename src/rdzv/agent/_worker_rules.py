@@ -120,7 +120,7 @@ def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
         node = replace(node, hint_written=True)
         acts.append(act("hint", not rules.restart_on_change))
     if node.phase is Phase.SETTLING and not node.record_final:
-        return settle(node, acts)
+        return settle(node, acts, rules)
     if node.phase is Phase.RUNNING and node.slots[lr].state is Worker.FRESH:
         return bring_in(node, acts, now, rules)
     return node, acts
@@ -165,7 +165,7 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
         if leaving:
             return exit_with(node, 0, say("leaving: the workers left; exiting"))
         if node.phase is Phase.SETTLING:  # the round being formed tells: a restart (another
-            return settle(node, [])      # node's failure) starts them anew; else finished
+            return settle(node, [], rules)  # node's failure) starts them anew; else finished
         if node.phase in (Phase.FORMING, Phase.AWAITING):
             return node, []
         return finished(node, now, say(f"all {len(node.slots)} worker(s) of this node "
@@ -224,7 +224,7 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
         moved, more = abandon(node, "a worker crashed while the group formed")
         return moved, acts + more
     if node.phase is Phase.SETTLING:
-        moved, more = settle(node, [])
+        moved, more = settle(node, [], rules)
         return moved, acts + more
     return node, acts
 
