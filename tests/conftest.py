@@ -29,8 +29,9 @@ def _in_ci() -> bool:
 
 LONG_FIRST = ("torch/test_inprocess.py", "torch/test_overlaps.py", "torch/test_hsdp.py",
               "torch/test_health.py", "torch/test_torchrun.py", "clusters", "trainchaos", "torch",
-              "rendezvous/test_etcd_backend.py", "store/test_torch_adapter_contract.py",
-              "agent/test_agent.py", "etcd", "chaos")
+              "rendezvous/test_etcd_backend_contract.py", "rendezvous/test_etcd_backend.py", "etcd",
+              "agent/test_agent.py", "rendezvous/test_tcp_backend.py", "chaos",
+              "store/test_torch_adapter_contract.py")
 """Folders and files that run longest (real training jobs, soaks, a Slurm cluster, two etcd
 versions, torch in every peer), collected first, the longest first (in each of the two parts
 ``scripts/test`` runs): the workers start on them and the many short files fill the end, instead

@@ -1,29 +1,22 @@
-"""The rendezvous contract on the etcd backend, node processes on a real etcd (each version found).
-
-Also what only the etcd backend has: torch's legacy URL form, the key prefix, https with client
-certificates, user and password as options or from the environment, a clear error naming an
-unreachable endpoint, nodes SIGSTOPped past their lease and resumed, and a 3-member etcd cluster
+"""What only the etcd backend has (its contract is ``test_etcd_backend_contract.py``), node
+processes on a real etcd (each version found): torch's legacy URL form, the key prefix, https
+with client certificates, user and password as options or from the environment, a clear error
+naming an unreachable endpoint, nodes SIGSTOPped past their lease and resumed, and a 3-member etcd cluster
 losing its leader in the middle of a rendezvous of several processes.
 Without an etcd binary these tests skip locally and fail under ``CI=true``.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from _clusters import ProcessCluster
+from _etcd import HUNG, etcd_binary, etcd_server, fresh_prefix  # noqa: F401 (fixtures)
 from _nodes import ProcessNode
-from rendezvous_contract import AT_ONCE, RendezvousContract, check_round, eventually, form
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "etcd"))
-from etcd_testing import etcd_params, require_etcd  # noqa: E402
+from rendezvous_contract import AT_ONCE, check_round, eventually, form
 from test_security import PASSWORD, auth_etcd, pki, tls_etcd  # noqa: E402,F401 (fixtures)
 
 from rdzv.errors import (  # noqa: E402
@@ -36,59 +29,6 @@ from rdzv.etcd._local import free_ports  # noqa: E402
 from rdzv.rendezvous import get_rendezvous_handler, parse_rendezvous_url  # noqa: E402
 from rdzv.rendezvous._etcd import RendezvousEtcdStore, key_prefix  # noqa: E402
 from rdzv.store import EtcdStore  # noqa: E402
-
-HUNG = {"heartbeat_interval": 1.0, "heartbeat_misses": 4}
-"""A 4 s lease: a SIGSTOPped node's keys vanish about 4 s after it stops."""
-SHORT_LEASE = {"heartbeat_interval": 2.0, "heartbeat_misses": 3}
-"""The contract's nodes: a killed node's keys vanish 6 s after its last keep-alive (long
-enough that a live node's keep-alives, every 2 s, survive a heavily loaded machine, as the
-4 s leases of :data:`HUNG` do)."""
-
-
-@pytest.fixture(scope="module", params=etcd_params())
-def etcd_binary(request: pytest.FixtureRequest) -> str:
-    return require_etcd(request.param)
-
-
-@pytest.fixture(scope="module")
-def etcd_server(etcd_binary: str) -> Iterator[LocalEtcd]:
-    with LocalEtcd(binary=etcd_binary) as server:
-        yield server
-
-
-def fresh_prefix() -> str:
-    return f"/rdzv-test-{uuid.uuid4().hex[:10]}"
-
-
-class EtcdCluster(ProcessCluster):
-    """Process nodes on a fresh ``etcd_prefix`` of one etcd (a fresh store for each test)."""
-
-    def __init__(self, endpoint: str, **defaults: Any) -> None:
-        prefix = fresh_prefix()
-        super().__init__(
-            "etcd", endpoint,
-            raw_store=lambda: EtcdStore(endpoint, prefix=key_prefix(prefix), timeout=30),
-            hung_options=HUNG, etcd_prefix=prefix, read_timeout=30.0,
-            **{**SHORT_LEASE, **defaults},
-        )
-
-
-class TestEtcdBackend(RendezvousContract):
-    @pytest.fixture
-    def cluster(self, etcd_server: LocalEtcd) -> Iterator[EtcdCluster]:
-        cluster = EtcdCluster(etcd_server.endpoint)
-        yield cluster
-        cluster.close()
-
-    def test_round_completes_without_a_node_that_died_in_the_last_call(self, cluster):
-        """etcd has no connection-bound session: a killed node is dropped when its lease
-        expires, so the last call here outlasts the 6 s lease (the contract's 2 s would not)."""
-        nodes = [cluster.node(2, 4, last_call_timeout=12.0) for _ in range(3)]
-        pending = [n.request("next") for n in nodes]
-        eventually(lambda: nodes[0].call("waiting") == 3, AT_ONCE, "three joined")
-        nodes[2].kill()
-        eventually(lambda: nodes[0].call("waiting") == 2, AT_ONCE, "the dead node is dropped")
-        check_round([p.result(AT_ONCE) for p in pending[:2]], 2)
 
 
 @pytest.fixture
