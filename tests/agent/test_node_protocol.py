@@ -370,6 +370,12 @@ def test_a_leave_during_a_transition_is_carried_out_once_it_is_over() -> None:
     node, acts = step(node, worker(Entered(4, 10.0, 50)), NOW, RULES)
     assert node.phase is Phase.RUNNING and "announce" in whats(acts)
     assert node.leave is not None and node.leave.announced
+    # and when the round restarts the workers (it waited out its grace, then stopped them)
+    node, _ = step(awaiting(), Signalled(signal.SIGTERM), NOW, RULES)
+    node, acts = step(replace(node, decision=decided(Kind.RESTART)), Assigned(4, assignment()),
+                      NOW, RULES)
+    assert node.phase is Phase.RUNNING and whats(acts)[-1] == "announce"
+    assert node.leave is not None and node.leave.announced
 
 
 def test_an_abandoned_group_is_reported_broken_in_the_next_record() -> None:
@@ -650,8 +656,9 @@ def test_under_restart_on_change_a_round_does_not_wait_for_workers_still_startin
     node, acts = step(starting, Formed(4, 1, 3), NOW, restarting)
     assert node.phase is Phase.AWAITING and node.record_final and whats(acts) == ["watch",
                                                                                    "record"]
-    assert node.recorded_api(restarting.restart_on_change) is False
-    assert [s.report(False) for s in node.slots] == [SlotState.RUNNING]
+    # a starting worker that fails meanwhile makes no second round: the decision restarts it
+    crashed, acts = step(node, Exited(0, 1), NOW + 1, restarting)
+    assert crashed.phase is Phase.AWAITING and whats(acts) == [] and crashed.restart_why
     # the coordinator tells a newcomer at once that nothing switches in-process (it does not
     # wait to learn whether its own workers, still starting, use the API)
     coordinator = replace(starting, group_rank=0, inprocess=None)
@@ -660,3 +667,11 @@ def test_under_restart_on_change_a_round_does_not_wait_for_workers_still_startin
     node, acts = step(coordinator, Formed(4, 0, 3), NOW, RULES)
     assert not any(a.what == "hint" for a in acts) and not node.record_final
     # (records that say so decide a restart: test_decide's row of a record without the API)
+    # workers silent past --worker-connect-timeout do not use the API, whatever the mode: a
+    # SIGTERM that ends one later is a failure, not its node's notice to leave
+    silent = replace(starting, inprocess=None, started=NOW - CONNECT_GRACE - 1)
+    for rules in (RULES, restarting):
+        known, _ = step(silent, Formed(4, 1, 3), NOW, rules)
+        assert known.inprocess is False and known.phase is Phase.AWAITING
+        ended, acts = step(known, Exited(0, -signal.SIGTERM), NOW + 1, rules)
+        assert ended.leave is None and ended.restart_why == "local rank 0 ended with signal SIGTERM"

@@ -129,9 +129,7 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     """The workers run in round ``gen``: take up what waited for the transition's end."""
     node = replace(node, phase=Phase.RUNNING, deadline=math.inf, record_final=False)
     if node.leave is not None and not node.leave.announced:
-        moved, more = signalled(node, Signalled(node.leave.signum, node.leave.notice), now, rules,
-                                pending=True)
-        return moved, acts + more
+        return take_up_leave(node, acts, now, rules)
     if any(s.state is Worker.FRESH for s in node.slots):
         moved, acts = bring_in(node, acts, now, rules)
         if moved.phase is Phase.RUNNING:  # they wait for a worker still starting: watch on
@@ -140,6 +138,14 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     if not node.live and any(s.state is Worker.DONE for s in node.slots):  # it had finished
         return finished(node, now, *acts, act("watch", node.gen))
     return node, acts + [act("watch", node.gen)]
+
+
+def take_up_leave(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
+    """The workers run (again) in round ``gen``: the leave asked during the transition now."""
+    assert node.leave is not None
+    moved, more = signalled(node, Signalled(node.leave.signum, node.leave.notice), now, rules,
+                            pending=True)
+    return moved, acts + more
 
 
 def bring_in(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
@@ -165,12 +171,20 @@ def after_failure(node: Node, why: str, now: float, rules: Rules) -> Result:
     told = say(f"{why}: the workers restart in the next round")
     if node.phase is Phase.RUNNING:
         return join(node, told)
-    if node.phase is Phase.AWAITING and node.decision is None:
-        moved, acts = cancel(node, why)
+    if node.phase is Phase.AWAITING and node.decision is None and not rules.restart_on_change:
+        moved, acts = cancel(node, why)  # (under --restart-on-change the round restarts anyway)
         return moved, [told, *acts]
     if node.phase is Phase.ENTERING or (node.phase is Phase.AWAITING and node.decision):
         return abandon(node, why)
     return node, [told]  # forming or settling: the record says so
+
+
+def without_api(node: Node, now: float, rules: Rules) -> Node:
+    """The node once its running workers have had ``--worker-connect-timeout`` to connect to
+    their agent: if none did, they do not use the in-process API."""
+    if node.inprocess is None and node.live and now >= node.started + rules.connect_grace:
+        return replace(node, inprocess=False)
+    return node
 
 
 def settle(node: Node, acts: list[Act], rules: Rules) -> Result:

@@ -223,9 +223,10 @@ class Node:
         return self.group_rank == 0
 
     def recorded_api(self, restart_on_change: bool) -> bool | None:
-        """Whether the node's record takes its workers for users of the in-process API. Not
-        under ``--restart-on-change``: every change restarts them, so a worker still starting
-        is not waited for (what it would report cannot change the round's decision)."""
+        """Whether the node's record takes its workers for users of the in-process API (None:
+        not known yet). Not under ``--restart-on-change``: every change restarts them, so a
+        worker still starting is not waited for (what it would report cannot change the
+        round's decision)."""
         return False if restart_on_change else self.inprocess
 
     @property

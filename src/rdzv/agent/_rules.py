@@ -29,6 +29,8 @@ from ._moves import (
     settle,
     settled,
     signalled,
+    take_up_leave,
+    without_api,
 )
 from ._protocol import (
     Abandoned,
@@ -83,16 +85,17 @@ def _on_formed(node: Node, event: Formed, now: float, rules: Rules) -> Result:
     if not settled(node, rules):  # workers starting: they connect within the grace, or never
         deadline = (node.started + rules.connect_grace if node.inprocess is None else
                     now + max(rules.switch_timeout, rules.connect_grace))
-    node = replace(node, phase=Phase.SETTLING, gen=event.gen, group_rank=event.group_rank,
-                   nodes=event.nodes, decision=None, assignment=None, hint=None,
-                   hint_written=False, record_final=False, deadline=deadline)
+    node = replace(without_api(node, now, rules), phase=Phase.SETTLING, gen=event.gen,
+                   group_rank=event.group_rank, nodes=event.nodes, decision=None,
+                   assignment=None, hint=None, hint_written=False, record_final=False,
+                   deadline=deadline)
     acts = [act("watch", node.gen)]
-    restarts = rules.restart_on_change  # (no change is in-process: known before any start)
-    if node.coordinator and (node.inprocess is not None or not node.live or restarts):
-        # (None, nobody's workers running yet: the newcomers start theirs with the others,
-        # and do not take the program for one without the API while they start)
-        first = node.inprocess is None and not node.live
-        hint = None if first else False if restarts else node.inprocess
+    api = node.recorded_api(rules.restart_on_change)
+    if node.coordinator and (api is not None or not node.live):
+        # (None when no worker runs and none has said whether it uses the API: the newcomers
+        # start theirs with the others, and do not take the program for one without the API
+        # while they start. Known, or under --restart-on-change: whether they switch.)
+        hint = None if node.inprocess is None and not node.live else api
         node = replace(node, hint_written=True)
         acts.append(act("hint", hint))
     finished = any(s.state is Worker.DONE for s in node.slots)
@@ -205,8 +208,10 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
                    group=Group(decision.prefix, node.assignment.rank_offset,
                                decision.world_size, node.assignment.local_ranks),
                    deadline=math.inf, started=now)
-    return node, acts + [act("stop", signals.SIGTERM), act("start", False),
-                         act("watch", node.gen)]
+    acts += [act("stop", signals.SIGTERM), act("start", False), act("watch", node.gen)]
+    if node.leave is not None and not node.leave.announced:
+        return take_up_leave(node, acts, now, rules)
+    return node, acts
 
 
 # -- the membership ---
@@ -329,9 +334,8 @@ def _on_time(node: Node, now: float, rules: Rules) -> Result:
         acts = [act("record")]
         if node.coordinator and not node.hint_written:
             acts.insert(0, act("hint", False))
-        if node.inprocess is None and node.live:  # workers that never connect do not use the API
-            node = replace(node, inprocess=False)
-        elif not settled(node, rules):
+        node = without_api(node, now, rules)
+        if not settled(node, rules):
             node = replace(node, restart_cause="connect_timeout",
                            restart_why=f"the workers did not connect to their agent "
                                              f"within {timeout}")

@@ -118,7 +118,7 @@ def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
     acts: list[Act] = []
     if node.coordinator and not node.hint_written and node.phase in TRANSITIONS:
         node = replace(node, hint_written=True)
-        acts.append(act("hint", not rules.restart_on_change))
+        acts.append(act("hint", node.recorded_api(rules.restart_on_change)))
     if node.phase is Phase.SETTLING and not node.record_final:
         return settle(node, acts, rules)
     if node.phase is Phase.RUNNING and node.slots[lr].state is Worker.FRESH:
