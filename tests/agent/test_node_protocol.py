@@ -673,5 +673,7 @@ def test_under_restart_on_change_a_round_does_not_wait_for_workers_still_startin
     for rules in (RULES, restarting):
         known, _ = step(silent, Formed(4, 1, 3), NOW, rules)
         assert known.inprocess is False and known.phase is Phase.AWAITING
+        assert known.deadline == NOW + rules.switch_timeout  # (the decision's own wait)
+        assert step(known, Tick(), NOW + 1, rules) == (known, [])
         ended, acts = step(known, Exited(0, -signal.SIGTERM), NOW + 1, rules)
         assert ended.leave is None and ended.restart_why == "local rank 0 ended with signal SIGTERM"

@@ -81,14 +81,14 @@ def step(node: Node, event: Any, now: float, rules: Rules) -> Result:
 
 # -- the round ------------------------------------------------------------------------------
 def _on_formed(node: Node, event: Formed, now: float, rules: Rules) -> Result:
+    node = without_api(node, now, rules)
     deadline = now + rules.switch_timeout
     if not settled(node, rules):  # workers starting: they connect within the grace, or never
         deadline = (node.started + rules.connect_grace if node.inprocess is None else
                     now + max(rules.switch_timeout, rules.connect_grace))
-    node = replace(without_api(node, now, rules), phase=Phase.SETTLING, gen=event.gen,
-                   group_rank=event.group_rank, nodes=event.nodes, decision=None,
-                   assignment=None, hint=None, hint_written=False, record_final=False,
-                   deadline=deadline)
+    node = replace(node, phase=Phase.SETTLING, gen=event.gen, group_rank=event.group_rank,
+                   nodes=event.nodes, decision=None, assignment=None, hint=None,
+                   hint_written=False, record_final=False, deadline=deadline)
     acts = [act("watch", node.gen)]
     api = node.recorded_api(rules.restart_on_change)
     if node.coordinator and (api is not None or not node.live):
