@@ -59,6 +59,10 @@ def check_round(results: list[dict[str, Any]], world_size: int) -> None:
 
 
 class RendezvousContract:
+    DEATH_IN_LAST_CALL = 2.0
+    """The last call of the round a node dies in: long enough for the backend to drop it (a
+    backend that sees a death only when a lease expires sets a longer one)."""
+
     def test_handler_names_the_backend_it_was_created_for(self, cluster):
         """torch's registry refuses a handler whose get_backend() is not the backend asked for
         (rdzv's too): each backend's handler says its name."""
@@ -153,7 +157,8 @@ class RendezvousContract:
         check_round([first.result(AT_ONCE), second.result(AT_ONCE), third.result(AT_ONCE)], 3)
 
     def test_round_completes_without_a_node_that_died_in_the_last_call(self, cluster):
-        nodes = [cluster.node(2, 4, last_call_timeout=2.0) for _ in range(3)]
+        nodes = [cluster.node(2, 4, last_call_timeout=self.DEATH_IN_LAST_CALL)
+                 for _ in range(3)]
         pending = [n.request("next") for n in nodes]
         eventually(lambda: nodes[0].call("waiting") == 3, AT_ONCE, "three joined")
         nodes[2].kill()
