@@ -1,7 +1,7 @@
 """Membership changes while training: how long rank 0's training stops, per launcher, in one table.
 
 Run: ``.venv/bin/python bench/membership.py [--repeat 1] [--model-mb 0,200]
-[--launchers rdzv,rdzv-restart,torchrun-rdzv-tcp,torchrun-c10d] [--sharded] [--json out.json]``
+[--launchers rdzv,rdzv-restart,rdzv-restart-preload,torchrun-rdzv-tcp,torchrun-c10d] [--sharded] [--json out.json]``
 
 ``--sharded``: the workload is ``examples/elastic_fsdp.py`` instead (HSDP: FSDP2 over each node's
 two workers, ``--nproc-per-node 2``, replicas across nodes; DCP checkpoints), and the table ends
@@ -34,6 +34,8 @@ Launchers (the first is the reference of the ratio column, per change and model 
 * ``rdzv``: ``rdzv run`` (workers that use rdzv's in-process API switch without a restart);
 * ``rdzv-restart``: ``rdzv run --restart-on-change`` (stop and restart the workers on every change,
   after the next round has formed in the background);
+* ``rdzv-restart-preload``: the same with ``--preload torch`` (the workers are forked from a
+  template that imported torch once, so a restart skips the import);
 * ``torchrun-rdzv-tcp``: torchrun with rdzv's plugin; ``torchrun-c10d``: torchrun with torch's own.
 
 Every launcher gets ``--monitor-interval 0.1 --max-restarts 3`` and ``--rdzv-conf

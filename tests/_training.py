@@ -30,9 +30,14 @@ HOST = "127.0.0.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "elastic_train.py")
 SHARDED_EXAMPLE = os.path.join(ROOT, "examples", "elastic_fsdp.py")
-LAUNCHERS = ("rdzv", "rdzv-restart", "torchrun-rdzv-tcp", "torchrun-c10d")
-"""``rdzv``: ``rdzv run``; ``rdzv-restart``: ``rdzv run --restart-on-change``; torchrun with
-rdzv's plugin (``rdzv-tcp``) or with torch's own ``c10d`` backend."""
+RDZV_FLAGS = {"rdzv": (), "rdzv-restart": ("--restart-on-change",),
+              "rdzv-restart-preload": ("--restart-on-change", "--preload", "torch")}
+"""The flags of each ``rdzv run`` launcher: ``rdzv`` changes membership in-process,
+``rdzv-restart`` restarts the workers on every change, ``rdzv-restart-preload`` too but forks
+them from a worker template that has imported torch."""
+LAUNCHERS = (*RDZV_FLAGS, "torchrun-rdzv-tcp", "torchrun-c10d")
+"""The ``rdzv run`` launchers, then torchrun with rdzv's plugin (``rdzv-tcp``) or with torch's
+own ``c10d`` backend."""
 CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 """Rendezvous options of every launcher (torch's c10d takes whole seconds only: 1 s is its
 fastest last call); a hung node is dropped after 3 s."""
@@ -91,10 +96,8 @@ class JobSpec:
                   "--rdzv-conf", f"{CONF},is_host={is_host}",
                   "--log-dir", os.path.join(work, f"logs{node}")]
         if self.launcher.startswith("rdzv"):
-            head = [sys.executable, "-m", "rdzv.run", "--rdzv-backend", "tcp", "--stop-timeout", "5"]
-            if self.launcher == "rdzv-restart":
-                head.append("--restart-on-change")
-            head += self.flags
+            head = [sys.executable, "-m", "rdzv.run", "--rdzv-backend", "tcp", "--stop-timeout", "5",
+                    *RDZV_FLAGS[self.launcher], *self.flags]
         else:
             backend = "c10d" if self.launcher == "torchrun-c10d" else "rdzv-tcp"
             head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", backend]

@@ -461,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma-separated fault kinds (default: {','.join(KINDS)})")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
-                        help=f"comma-separated launchers (default: {','.join(LAUNCHERS)})")
+                        help=f"comma-separated launchers of {','.join(CHOICES)} (default: "
+                             f"{','.join(LAUNCHERS)})")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where each launcher's logs go (default: a new temporary directory)")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON ('-': stdout)")
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         kinds = parse_list(args.kinds, KINDS, "--kinds")
-        launchers = parse_list(args.launchers, LAUNCHERS, "--launchers")
+        launchers = parse_list(args.launchers, CHOICES, "--launchers")
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     config = Config(args.duration, args.seed, args.every, kinds, sharded=args.sharded)

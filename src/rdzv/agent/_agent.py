@@ -26,7 +26,8 @@ from ._errors import WorkerFailure, read_error_file
 from ._node import NodeRun
 from ._protocol import Signalled
 from ._records import Assignment
-from ._workers import WorkerGroup, WorkerSpec
+from ._template import WorkerTemplate
+from ._workers import WorkerGroup, WorkerSpec, popen
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class ElasticAgent:
         """The rendezvous store could not be reached for its whole timeout."""
         self.signalled = False
         """A signal asked this node to leave or stop (scancel, a preemption, Ctrl-C...)."""
+        self.template: WorkerTemplate | None = None
+        """The worker template (``--preload``) the workers are forked from, while it runs."""
 
     # -- console ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -150,12 +153,25 @@ class ElasticAgent:
         self.log_root = tempfile.mkdtemp(prefix=f"{self.config.run_id}_", dir=root)
         self.say(f"worker logs: {self.log_root}")
         with self._signals():
+            self._open_template()
             node = NodeRun(self)
             try:
                 return node.run()
             finally:
                 node.close()
+                if self.template is not None:
+                    self.template.close()
                 self._shutdown_handler()
+
+    def _open_template(self) -> None:
+        """Start the worker template of ``--preload``: its imports overlap the rendezvous."""
+        if not self.config.preload:
+            return
+        env = worker_env(self.config, None, 0, 0, os.environ)  # as its workers' (OpenMP...)
+        self.template = WorkerTemplate(self.config.command, self.config.preload, env, self.say)
+        self.template.open()
+        self.say(f"worker template (pid {self.template.pid}) imports "
+                 f"{', '.join(self.config.preload)}; the workers are forked from it")
 
     def start_workers(self, group: WorkerGroup, local_ranks: list[int],
                       assignment: Assignment | None, restarts: int, channel_path: str,
@@ -187,7 +203,9 @@ class ElasticAgent:
             hidden = config.redirects.streams(local_rank) - config.tee.streams(local_rank)
             return frozenset({"stdout", "stderr"}) - hidden
 
-        return WorkerGroup(config.command, attempt_dir, self.events, generation, console_streams)
+        starter = self.template.start_worker if self.template is not None else popen
+        return WorkerGroup(config.command, attempt_dir, self.events, generation, console_streams,
+                           starter)
 
     def failure(self, group: WorkerGroup, local_rank: int, code: int) -> WorkerFailure:
         """What is known of a worker that failed: rank, exit, error file, logs."""

@@ -11,6 +11,7 @@ then to what Slurm or a Kubernetes Indexed Job says (:mod:`._environment`), then
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -36,6 +37,7 @@ from ._flags import (
     resolve,
 )
 from ._slurm import SlurmError
+from ._template import python_program
 
 STATIC_BACKEND = "static"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -84,6 +86,8 @@ class LaunchConfig:
     """A node whose steps take this many times the others' own work is a straggler (0: off)."""
     replace_stragglers: bool = DEFAULTS["replace_stragglers"]
     """Ask a straggler to leave when a spare can take its place."""
+    preload: tuple[str, ...] = ()
+    """Modules the worker template imports once; workers are forked from it (empty: none)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
     """Where each flag's value came from: the flag, its ``PET_*`` env var, ``Slurm: ...`` or
     ``default`` (by flag name, and ``rdzv_conf:KEY`` for rendezvous options Slurm set)."""
@@ -226,6 +230,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         hang_timeout=_hang_timeout(raw("hang_timeout"), source("hang_timeout")),
         straggler_factor=_straggler_factor(raw("straggler_factor"), source("straggler_factor")),
         replace_stragglers=bool(raw("replace_stragglers")),
+        preload=_modules(raw("preload"), source("preload")),
         origins=origins,
     )
 
@@ -249,6 +254,15 @@ def _from_environment(values: dict[str, tuple[Any, str]], env: Mapping[str, str]
             conf[name] = value
             values[f"rdzv_conf:{name}"] = (value, origin)
     return conf
+
+
+def _modules(raw: Any, source: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in str(raw or "").split(",") if name.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(source, f"{name!r} is not a Python module name; give modules as "
+                                      "--preload torch or --preload torch,numpy")
+    return names
 
 
 def _hang_timeout(raw: Any, source: str) -> float | None:
@@ -281,6 +295,15 @@ def _role(raw: str, source: str) -> str:
 def check_command(config: LaunchConfig) -> None:
     """The worker program can be started (an executable exists, a script file exists)."""
     program = config.command[0]
+    if config.preload:
+        if program != sys.executable or python_program(config.command) is None:
+            raise ConfigError("--preload", "forks Python workers from a template; it cannot "
+                                           "start an executable (drop --no-python or --preload)")
+        for name in config.preload:
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                raise ConfigError("--preload", f"no module named {name!r} in {sys.executable}; "
+                                               "give modules the workers import, e.g. "
+                                               "--preload torch")
     if program != sys.executable and shutil.which(program) is None:
         raise ConfigError("--no-python", f"{program!r} is not an executable on PATH")
     if config.command[:2] == (sys.executable, "-u") and config.command[2] != "-m":

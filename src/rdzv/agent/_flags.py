@@ -83,6 +83,11 @@ _OPTIONS: tuple[tuple[str, tuple[str, ...], str, str, Any], ...] = (
     ("replace_stragglers", ("--replace-stragglers", "--replace_stragglers"),
      "Ask a straggler to leave gracefully when a spare node waits to take its place "
      "(in-process, at a step boundary).", "flag", False),
+    ("preload", ("--preload",),
+     "Python modules (comma-separated, e.g. torch) that a worker template imports once, "
+     "while the node joins; every worker is then forked from it and starts in milliseconds "
+     "instead of importing them again at each start and restart. Python worker commands "
+     "only (not with --no-python).", "str", ""),
     ("node_rank", ("--node-rank", "--node_rank"), "This node's rank (static jobs).", "int", None),
     ("master_addr", ("--master-addr", "--master_addr"),
      "Address of the node with rank 0 (static jobs).", "str", None),

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import IO, Any, Callable, Mapping, Sequence, TextIO
+from typing import IO, Any, Callable, Mapping, Protocol, Sequence, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,36 @@ def _death_signal_setter() -> Callable[[], None] | None:
     return set_death_signal
 
 
+class Process(Protocol):
+    """A started worker process, as :class:`WorkerGroup` uses it (a ``subprocess.Popen`` or a
+    worker forked by the template)."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def wait(self) -> int: ...
+
+
+Starter = Callable[[Sequence[str], Mapping[str, str], "IO[bytes] | int", "IO[bytes] | int"],
+                   Process]
+"""Starts one worker: (command, env, stdout, stderr: a file or ``subprocess.PIPE``)."""
+
+
+def popen(command: Sequence[str], env: Mapping[str, str], stdout: IO[bytes] | int,
+          stderr: IO[bytes] | int) -> subprocess.Popen[bytes]:
+    """Start a worker as a new process, in a session of its own, dying with the agent."""
+    return subprocess.Popen(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        start_new_session=True,
+        preexec_fn=_death_signal_setter(),  # noqa: PLW1509 (only prctl; see _death_signal_setter)
+    )
+
+
 class _Worker:
     """A started worker: its process, log files and the thread waiting for its exit."""
 
-    def __init__(self, spec: WorkerSpec, process: subprocess.Popen[bytes], directory: str,
+    def __init__(self, spec: WorkerSpec, process: Process, directory: str,
                  pumps: list[threading.Thread]) -> None:
         self.spec = spec
         self.process = process
@@ -102,6 +128,7 @@ class WorkerGroup:
             also be fed by signal handlers).
         generation: tags this group's events, so the agent can ignore a previous group's.
         console_streams: the streams of a local rank shown on the console.
+        starter: how a worker's process starts (a new process, or forked by the template).
     """
 
     def __init__(
@@ -111,6 +138,7 @@ class WorkerGroup:
         events: "queue.SimpleQueue[Any]",
         generation: int,
         console_streams: Callable[[int], frozenset[str]],
+        starter: Starter = popen,
     ) -> None:
         self.command = list(command)
         self.attempt_dir = attempt_dir
@@ -119,11 +147,11 @@ class WorkerGroup:
         self._console_streams = console_streams
         self._workers: dict[int, _Worker] = {}
         self._console_lock = threading.Lock()
+        self._starter = starter
 
     # -- starting -----------------------------------------------------------------------------
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start one process per spec (from the calling thread, which must outlive them)."""
-        preexec = _death_signal_setter()
         for spec in specs:
             directory = os.path.join(self.attempt_dir, str(spec.local_rank))
             os.makedirs(directory, exist_ok=True)
@@ -137,15 +165,10 @@ class WorkerGroup:
             files = {name: open(os.path.join(directory, f"{name}.log"), "ab")
                      for name in ("stdout", "stderr")}
             try:
-                process = subprocess.Popen(
-                    self.command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE if "stdout" in shown else files["stdout"],
-                    stderr=subprocess.PIPE if "stderr" in shown else files["stderr"],
-                    start_new_session=True,
-                    preexec_fn=preexec,  # noqa: PLW1509 (only prctl; see _death_signal_setter)
-                )
+                process = self._starter(
+                    self.command, env,
+                    subprocess.PIPE if "stdout" in shown else files["stdout"],
+                    subprocess.PIPE if "stderr" in shown else files["stderr"])
             except OSError as exc:
                 for handle in files.values():
                     handle.close()

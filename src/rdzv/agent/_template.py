@@ -1,0 +1,244 @@
+"""The agent's side of the worker template (``rdzv run --preload torch``).
+
+The agent starts the template once (:mod:`._template_server`) so that its imports overlap the
+rendezvous; each worker is then forked from it, in milliseconds, instead of starting a new
+interpreter that imports torch again (seconds of CPU on every restart or replacement). A worker
+started this way is seen by the rest of the agent as any other (:class:`ForkedWorker` has a
+:class:`subprocess.Popen`'s ``pid``, ``stdout``, ``stderr`` and ``wait``): its pid is its process
+group, its exit code is reported by the template. Should the template fail to import its
+modules, or die, the agent says so once and starts its workers as new interpreters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from ._template_server import receive, send
+from ._workers import Process, popen
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT = 600.0
+"""Seconds the first workers wait for the template's imports before starting without it (a slow
+shared file system may take minutes; a hung import must not hold the job for ever)."""
+START_TIMEOUT = 30.0
+"""Seconds the template has to answer a start (a fork: milliseconds)."""
+_TEMPLATE_MAIN = "import sys; from rdzv.agent._template_server import main; main(sys.argv[1:])"
+KILLED = -9
+"""The return code of a worker whose template died (it received SIGKILL with it)."""
+
+
+def python_program(command: Sequence[str]) -> tuple[list[str], list[str], bool] | None:
+    """How a template runs ``command`` (``python [-u] SCRIPT ARGS`` or ``python [-u] -m MODULE
+    ARGS``): the program (``["path", SCRIPT]`` or ``["module", MODULE]``), its ``sys.argv`` and
+    whether it is unbuffered; None for any other command line."""
+    options = []
+    index = 1
+    while index < len(command) and command[index] == "-u":
+        options.append(command[index])
+        index += 1
+    rest = list(command[index:])
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        return ["module", rest[1]], [rest[1], *rest[2:]], bool(options)
+    if rest and not rest[0].startswith("-"):
+        return ["path", rest[0]], rest, bool(options)
+    return None
+
+
+class ForkedWorker:
+    """A worker forked by the template: what :class:`WorkerGroup` uses of a ``Popen``."""
+
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+
+    def ended(self, returncode: int) -> None:
+        self.returncode = returncode
+        self._exited.set()
+
+    def wait(self) -> int:
+        self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+
+class _Pending:
+    """A start sent to the template, until it answers."""
+
+    def __init__(self, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+        self.streams = (stdout, stderr)
+        self.answered = threading.Event()
+        self.worker: ForkedWorker | None = None
+        self.error = ""
+
+
+class WorkerTemplate:
+    """The template process of one agent and the workers forked from it.
+
+    Args:
+        command: the worker command line (a Python one: see :func:`python_program`).
+        modules: what the template imports.
+        env: the template's environment (as the workers', so that libraries reading it at
+            import, such as OpenMP's thread count, see the workers' values).
+        say: how the agent tells the person at the console.
+    """
+
+    def __init__(self, command: Sequence[str], modules: Sequence[str], env: Mapping[str, str],
+                 say: Callable[[str], None]) -> None:
+        program = python_program(command)
+        if program is None:
+            raise ValueError(f"not a Python worker command: {list(command)!r}")
+        self.program, self.argv, self.unbuffered = program
+        self.interpreter = command[0]
+        self.modules = list(modules)
+        self.env = dict(env)
+        self._say = say
+        self._process: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._ready = threading.Event()
+        self._failed = ""
+        self._said = False
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._pending: dict[int, _Pending] = {}
+        self._workers: dict[int, ForkedWorker] = {}
+
+    # -- the template process -------------------------------------------------------------------
+    def open(self) -> None:
+        """Start the template (from a thread that outlives it: it dies with that thread)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._process = subprocess.Popen(
+                [self.interpreter, "-c", _TEMPLATE_MAIN, str(theirs.fileno()), *self.modules],
+                env=self.env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                pass_fds=(theirs.fileno(),), start_new_session=True)
+        self._sock = ours
+        threading.Thread(target=self._listen, daemon=True, name="rdzv-template").start()
+        logger.info("worker template pid %d importing %s", self._process.pid,
+                    ", ".join(self.modules))
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def close(self) -> None:
+        """Stop the template (its workers die with it: stop them first)."""
+        if self._process is None:
+            return
+        self._process.kill()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.error("worker template pid %d did not die after SIGKILL", self._process.pid)
+        if self._sock is not None:
+            self._sock.close()
+
+    def _listen(self) -> None:
+        assert self._sock is not None
+        try:
+            while True:
+                message, fds = receive(self._sock)
+                for fd in fds:
+                    os.close(fd)
+                if message is None:
+                    break
+                self._on(message)
+        except OSError:  # closed by close()
+            pass
+        self._gone(f"it ended (exit code {self._process.wait() if self._process else '?'})")
+
+    def _on(self, message: dict[str, Any]) -> None:
+        if "ready" in message:
+            self._ready.set()
+        elif "error" in message and "started" not in message:
+            self._failed = message["error"]
+            self._ready.set()
+        elif "started" in message:
+            with self._lock:
+                pending = self._pending.pop(message["started"])
+            if "pid" in message:
+                pending.worker = ForkedWorker(message["pid"], *pending.streams)
+                with self._lock:
+                    self._workers[message["pid"]] = pending.worker
+            else:
+                pending.error = message["error"]
+            pending.answered.set()
+        elif "exited" in message:
+            with self._lock:
+                worker = self._workers.pop(message["exited"], None)
+            if worker is not None:
+                worker.ended(message["returncode"])
+
+    def _gone(self, why: str) -> None:
+        """The template is gone: its workers died with it; starts wait no more."""
+        with self._lock:
+            self._failed = self._failed or why
+            workers, self._workers = list(self._workers.values()), {}
+            pending, self._pending = list(self._pending.values()), {}
+        for worker in workers:
+            worker.ended(KILLED)
+        for start in pending:
+            start.error = self._failed
+            start.answered.set()
+        self._ready.set()
+
+    # -- starting workers -----------------------------------------------------------------------
+    def start_worker(self, command: Sequence[str], env: Mapping[str, str],
+                     stdout: IO[bytes] | int, stderr: IO[bytes] | int) -> Process:
+        """Start one worker of ``command`` (the template's): forked from the template, or, the
+        template unusable, as a new process. ``stdout``/``stderr``: a file or
+        ``subprocess.PIPE``."""
+        if not self._ready.wait(READY_TIMEOUT):
+            self._failed = self._failed or (f"it did not import {', '.join(self.modules)} "
+                                            f"within {READY_TIMEOUT:g} s")
+        if not self._failed:
+            try:
+                return self._fork(env, stdout, stderr)
+            except OSError as exc:
+                self._failed = f"it could not start a worker: {exc}"
+        if not self._said:
+            self._said = True
+            self._say(f"--preload: the worker template is not usable ({self._failed}); "
+                      "starting workers as new processes")
+        return popen(command, env, stdout, stderr)
+
+    def _fork(self, env: Mapping[str, str], stdout: IO[bytes] | int,
+              stderr: IO[bytes] | int) -> ForkedWorker:
+        assert self._sock is not None
+        fds: list[int] = []
+        ends: list[IO[bytes] | None] = []
+        try:
+            for stream in (stdout, stderr):
+                if stream == subprocess.PIPE:
+                    read, write = os.pipe()
+                    ends.append(os.fdopen(read, "rb"))
+                    fds.append(write)
+                else:
+                    ends.append(None)
+                    fds.append(os.dup(stream.fileno()))  # type: ignore[union-attr]
+            with self._lock:
+                ident, self._next_id = self._next_id, self._next_id + 1
+                pending = self._pending[ident] = _Pending(ends[0], ends[1])
+            send(self._sock, {"start": ident, "program": self.program, "argv": self.argv,
+                              "env": dict(env), "cwd": os.getcwd(),
+                              "unbuffered": self.unbuffered}, tuple(fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if not pending.answered.wait(START_TIMEOUT):
+            raise OSError(f"no answer within {START_TIMEOUT:g} s")
+        if pending.worker is None:
+            for end in ends:
+                if end is not None:
+                    end.close()
+            raise OSError(pending.error)
+        return pending.worker
