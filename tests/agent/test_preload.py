@@ -24,21 +24,36 @@ from rdzv.agent._template import python_program
 pytestmark = pytest.mark.timeout(300)
 
 PROGRAM = textwrap.dedent('''
-    import json, os, sys, time
+    import sys
+    preloaded = "preload_probe" in sys.modules  # before this program imports anything
+    import atexit, json, os, pickle, time
+    import preload_probe
     rank = os.environ["RANK"]
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     seen = {"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
             "cwd": os.getcwd(), "rank": rank, "attempt": attempt, "pid": os.getpid(),
-            "ppid": os.getppid(), "session": os.getsid(0), "json": "json" in sys.modules,
-            "local_world": os.environ["LOCAL_WORLD_SIZE"], "stdin": sys.stdin.read()}
-    out = os.path.join(sys.argv[1], f"{rank}-{attempt}-{os.getpid()}.json")
-    with open(out, "w") as handle:
+            "ppid": os.getppid(), "session": os.getsid(0), "preloaded": preloaded,
+            "imported_by": preload_probe.PID, "local_world": os.environ["LOCAL_WORLD_SIZE"],
+            "stdin": sys.stdin.read()}
+    out = sys.argv[1]
+    with open(os.path.join(out, f"{rank}-{attempt}-{os.getpid()}.json"), "w") as handle:
         json.dump(seen, handle)
+
+    class Box:
+        pass
+
+    def at_exit():  # after the program's body: __main__ is still the program's
+        with open(os.path.join(out, f"atexit-{rank}-{attempt}"), "wb") as handle:
+            handle.write(pickle.dumps(Box()))
+
+    atexit.register(at_exit)
     print(f"rank {rank} says hello")
     print(f"rank {rank} on stderr", file=sys.stderr)
     mode = sys.argv[2]
     if mode == "die-once" and rank == "1" and attempt == "0":
         os.kill(os.getpid(), 9)
+    if mode == "raise" and rank == "1":
+        raise ValueError("rank 1 fails on purpose")
     if mode == "until":
         for _ in range(1200):
             if os.path.exists(sys.argv[3]):
@@ -53,25 +68,33 @@ def reports(out: Path) -> list[dict[str, Any]]:
 
 
 def template_pid(text: str) -> int:
-    found = re.search(r"worker template \(pid (\d+)\) imports json", text)
+    found = re.search(r"worker template \(pid (\d+)\) imports preload_probe", text)
     assert found, text
     return int(found.group(1))
 
 
 @pytest.fixture
 def job(tmp_path: Path) -> Any:
+    """A program in its own directory (not the agent's working directory, ``tmp_path``), next to
+    the module it preloads."""
+
     class Job:
-        script = tmp_path / "program.py"
+        directory = tmp_path / "program"
+        script = directory / "program.py"
         out = tmp_path / "out"
         stop = str(tmp_path / "stop")
+        cwd = str(tmp_path)
 
-        def args(self, mode: str, *extra: str) -> list[str]:
-            return ["--standalone", "--nproc-per-node", "2", "--preload", "json",
-                    "--log-dir", str(tmp_path / "logs"), *extra, str(self.script),
+        def args(self, mode: str, *extra: str, module: bool = False) -> list[str]:
+            program = ["-m", "program"] if module else [str(self.script)]
+            return ["--standalone", "--nproc-per-node", "2", "--preload", "preload_probe",
+                    "--log-dir", str(tmp_path / "logs"), *extra, *program,
                     str(self.out), mode, self.stop]
 
     job = Job()
+    job.directory.mkdir()
     job.script.write_text(PROGRAM)
+    (job.directory / "preload_probe.py").write_text("import os\nPID = os.getpid()\n")
     job.out.mkdir()
     return job
 
@@ -86,23 +109,44 @@ def test_forked_workers_run_as_python_runs_a_script(agents: Any, job: Any) -> No
     for worker in seen:
         assert worker["name"] == "__main__" and worker["file"] == str(job.script)
         assert worker["argv"] == [str(job.script), str(job.out), "succeed", job.stop]
-        assert worker["path0"] == str(job.script.parent)
-        assert worker["cwd"] == str(job.script.parent)  # the agent's (the test's directory)
-        assert worker["json"] is True  # preloaded: already imported when the program starts
+        assert worker["path0"] == str(job.directory)  # the script's directory...
+        assert worker["cwd"] == job.cwd  # ...and the agent's working directory
+        assert worker["preloaded"] and worker["imported_by"] == template  # imported once, there
         assert worker["ppid"] == template  # forked by the template...
         assert worker["session"] == worker["pid"]  # ...in a session of its own
         assert worker["local_world"] == "2" and worker["stdin"] == ""
+        assert (job.out / f"atexit-{worker['rank']}-0").stat().st_size > 0
     assert "[0]:rank 0 says hello" in text and "[1]:rank 1 on stderr" in text
     assert "the workers are forked from it" in text
     wait_for(lambda: not pid_alive(template), 30.0, "the template to end with its agent")
 
 
-def test_a_failing_forked_worker_is_reported_with_its_exit_code(agents: Any, job: Any) -> None:
-    node = agents.start(job.args("fail"))
+def test_a_module_runs_as_python_m_runs_it(agents: Any, job: Any) -> None:
+    node = agents.start(job.args("succeed", module=True), env={"PYTHONPATH": os.pathsep.join(
+        [str(job.directory), os.environ.get("PYTHONPATH", "")])})
+    assert node.wait() == 0, node.output()
+    template = template_pid(node.output())
+    for worker in reports(job.out):
+        assert worker["name"] == "__main__" and worker["file"] == str(job.script)
+        assert worker["argv"] == [str(job.script), str(job.out), "succeed", job.stop]
+        assert worker["path0"] == job.cwd  # python -m: the working directory
+        assert worker["imported_by"] == worker["ppid"] == template
+
+
+@pytest.mark.parametrize(("mode", "code", "shown"), [
+    ("fail", 3, "[1]:rank 1 says hello"),
+    ("raise", 1, "[1]:ValueError: rank 1 fails on purpose"),
+])
+def test_a_failing_forked_worker_is_reported_with_its_exit_code(
+    agents: Any, job: Any, mode: str, code: int, shown: str
+) -> None:
+    node = agents.start(job.args(mode))
     assert node.wait() == 1, node.output()
     text = node.output()
     assert "root cause: global rank 1 (local rank 1" in text, text
-    assert "exit code 3" in text, text
+    assert f"exit code {code}" in text, text
+    assert shown in text, text
+    assert "_template_server" not in text  # a traceback shows the program's frames, as python's
 
 
 def test_a_killed_forked_worker_restarts_from_the_template(agents: Any, job: Any) -> None:
@@ -131,24 +175,24 @@ def test_workers_die_with_their_template_and_restart_as_new_processes(
     assert "--preload: the worker template is not usable (it ended (exit code -9)); starting " \
         "workers as new processes" in text, text
     restarted = [s for s in reports(job.out) if s["attempt"] == "1"]
-    assert all(s["ppid"] == node.pid for s in restarted)  # new processes of the agent
+    assert all(s["ppid"] == node.pid and not s["preloaded"] for s in restarted)
     assert not any(pid_alive(s["pid"]) for s in reports(job.out) if s["attempt"] == "0")
     Path(job.stop).touch()
     assert node.wait() == 0, node.output()
 
 
 def test_a_template_that_cannot_import_says_so_and_the_workers_start_anyway(
-    agents: Any, job: Any, tmp_path: Path
+    agents: Any, job: Any
 ) -> None:
-    (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('no GPU driver here')\n")
+    (job.directory / "broken_at_import.py").write_text("raise RuntimeError('no driver here')\n")
     args = job.args("succeed")
-    args[args.index("json")] = "json,broken_at_import"
-    node = agents.start(args, env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    args[args.index("preload_probe")] = "preload_probe,broken_at_import"
+    node = agents.start(args)
     assert node.wait() == 0, node.output()
     text = node.output()
     assert "--preload: the worker template is not usable (cannot import 'broken_at_import': " \
-        "RuntimeError: no GPU driver here); starting workers as new processes" in text, text
-    assert len(reports(job.out)) == 2
+        "RuntimeError: no driver here); starting workers as new processes" in text, text
+    assert [s["preloaded"] for s in reports(job.out)] == [False, False]
 
 
 @pytest.mark.parametrize(("flags", "message"), [

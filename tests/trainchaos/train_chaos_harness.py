@@ -57,8 +57,11 @@ from train_chaos_schedule import (KINDS, MAX_NODES, MIN_NODES, REMOVALS,  # noqa
 logger = logging.getLogger(__name__)
 
 LAUNCHERS = ("rdzv", "rdzv-restart", "torchrun-rdzv-tcp")
-"""``rdzv``: in-process changes; ``rdzv-restart``: ``rdzv run --restart-on-change``;
-``torchrun-rdzv-tcp``: torchrun with rdzv's rendezvous plugin."""
+"""The default launchers: ``rdzv`` (in-process changes), ``rdzv-restart`` (``rdzv run
+--restart-on-change``), ``torchrun-rdzv-tcp`` (torchrun with rdzv's rendezvous plugin)."""
+CHOICES = (*LAUNCHERS, "rdzv-restart-preload")
+"""What ``--launchers`` may name: also ``rdzv-restart-preload`` (restarts, the workers forked from
+a template that has imported torch: ``--preload torch``)."""
 IN_PROCESS = ("rdzv",)
 """Launchers whose workers go on through changes: for them a planned change redoes no step and
 a loss at most one (the others restart from the checkpoint, up to --save-every steps back)."""

@@ -46,12 +46,11 @@ def worker_env(config: LaunchConfig, assignment: Assignment | None, local_rank: 
     ``join_store``: every worker of the node joins, and they share that file as the store of a
     provisional group of their own until then.
     """
-    env = dict(base)
-    nproc = config.nproc_per_node
+    env = threads_env(config, base)
     env.update(
         LOCAL_RANK=str(local_rank),
         ROLE_NAME=config.role,
-        LOCAL_WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
         TORCHELASTIC_RESTART_COUNT=str(restarts),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=config.run_id,
@@ -78,7 +77,15 @@ def worker_env(config: LaunchConfig, assignment: Assignment | None, local_rank: 
             MASTER_ADDR=assignment.master_addr,
             MASTER_PORT=str(assignment.master_port),
         )
-    if nproc > 1 and "OMP_NUM_THREADS" not in base:
+    return env
+
+
+def threads_env(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` with the thread count of a node's workers (``OMP_NUM_THREADS=1`` when it runs
+    more than one worker, unless set): the environment of its worker template too, since
+    OpenMP reads it when torch is imported."""
+    env = dict(base)
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -153,12 +160,14 @@ class ElasticAgent:
         self.log_root = tempfile.mkdtemp(prefix=f"{self.config.run_id}_", dir=root)
         self.say(f"worker logs: {self.log_root}")
         with self._signals():
-            self._open_template()
-            node = NodeRun(self)
             try:
-                return node.run()
+                self._open_template()
+                node = NodeRun(self)
+                try:
+                    return node.run()
+                finally:
+                    node.close()
             finally:
-                node.close()
                 if self.template is not None:
                     self.template.close()
                 self._shutdown_handler()
@@ -167,8 +176,9 @@ class ElasticAgent:
         """Start the worker template of ``--preload``: its imports overlap the rendezvous."""
         if not self.config.preload:
             return
-        env = worker_env(self.config, None, 0, 0, os.environ)  # as its workers' (OpenMP...)
-        self.template = WorkerTemplate(self.config.command, self.config.preload, env, self.say)
+        self.template = WorkerTemplate(self.config.command, self.config.preload,
+                                       threads_env(self.config, os.environ), self.say,
+                                       self.config.worker_connect_timeout)
         self.template.open()
         self.say(f"worker template (pid {self.template.pid}) imports "
                  f"{', '.join(self.config.preload)}; the workers are forked from it")

@@ -11,6 +11,7 @@ then to what Slurm or a Kubernetes Indexed Job says (:mod:`._environment`), then
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import os
 import shutil
@@ -37,7 +38,7 @@ from ._flags import (
     resolve,
 )
 from ._slurm import SlurmError
-from ._template import python_program
+from ._template import python_program, worker_path
 
 STATIC_BACKEND = "static"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -296,11 +297,14 @@ def check_command(config: LaunchConfig) -> None:
     """The worker program can be started (an executable exists, a script file exists)."""
     program = config.command[0]
     if config.preload:
-        if program != sys.executable or python_program(config.command) is None:
+        python = python_program(config.command)
+        if program != sys.executable or python is None:
             raise ConfigError("--preload", "forks Python workers from a template; it cannot "
                                            "start an executable (drop --no-python or --preload)")
         for name in config.preload:
-            if importlib.util.find_spec(name.split(".")[0]) is None:
+            top = name.split(".")[0]  # (found without importing; next to the script as well)
+            if importlib.machinery.PathFinder.find_spec(top, [worker_path(python[0])]) is None \
+                    and importlib.util.find_spec(top) is None:
                 raise ConfigError("--preload", f"no module named {name!r} in {sys.executable}; "
                                                "give modules the workers import, e.g. "
                                                "--preload torch")

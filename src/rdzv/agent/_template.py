@@ -6,13 +6,15 @@ interpreter that imports torch again (seconds of CPU on every restart or replace
 started this way is seen by the rest of the agent as any other (:class:`ForkedWorker` has a
 :class:`subprocess.Popen`'s ``pid``, ``stdout``, ``stderr`` and ``wait``): its pid is its process
 group, its exit code is reported by the template. Should the template fail to import its
-modules, or die, the agent says so once and starts its workers as new interpreters.
+modules in time (the time a worker has for its imports, ``--worker-connect-timeout``), or die,
+the agent says so once and starts its workers as new interpreters from then on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,15 +22,14 @@ import threading
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from ._template_server import receive, send
-from ._workers import Process, popen
+from ._workers import Process, popen, signal_group
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT = 600.0
-"""Seconds the first workers wait for the template's imports before starting without it (a slow
-shared file system may take minutes; a hung import must not hold the job for ever)."""
 START_TIMEOUT = 30.0
 """Seconds the template has to answer a start (a fork: milliseconds)."""
+CLOSE_WAIT = 10.0
+"""Seconds to wait for the template to be reaped once it is killed or has closed its socket."""
 _TEMPLATE_MAIN = "import sys; from rdzv.agent._template_server import main; main(sys.argv[1:])"
 KILLED = -9
 """The return code of a worker whose template died (it received SIGKILL with it)."""
@@ -49,6 +50,13 @@ def python_program(command: Sequence[str]) -> tuple[list[str], list[str], bool] 
     if rest and not rest[0].startswith("-"):
         return ["path", rest[0]], rest, bool(options)
     return None
+
+
+def worker_path(program: Sequence[str]) -> str:
+    """The ``sys.path[0]`` of a worker running ``program`` (as :func:`python_program` gives it):
+    the script's real directory, or the working directory for a module, as python sets it."""
+    kind, target = program
+    return os.path.dirname(os.path.realpath(target)) if kind == "path" else os.getcwd()
 
 
 class ForkedWorker:
@@ -90,10 +98,12 @@ class WorkerTemplate:
         env: the template's environment (as the workers', so that libraries reading it at
             import, such as OpenMP's thread count, see the workers' values).
         say: how the agent tells the person at the console.
+        ready_timeout: seconds the first workers wait for the template's imports before they
+            start without it (the time a worker has for its own imports).
     """
 
     def __init__(self, command: Sequence[str], modules: Sequence[str], env: Mapping[str, str],
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], ready_timeout: float) -> None:
         program = python_program(command)
         if program is None:
             raise ValueError(f"not a Python worker command: {list(command)!r}")
@@ -101,6 +111,7 @@ class WorkerTemplate:
         self.interpreter = command[0]
         self.modules = list(modules)
         self.env = dict(env)
+        self.ready_timeout = ready_timeout
         self._say = say
         self._process: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -116,10 +127,12 @@ class WorkerTemplate:
     def open(self) -> None:
         """Start the template (from a thread that outlives it: it dies with that thread)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        flags = ["-u"] if self.unbuffered else []
         with theirs:
             self._process = subprocess.Popen(
-                [self.interpreter, "-c", _TEMPLATE_MAIN, str(theirs.fileno()), *self.modules],
-                env=self.env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                [self.interpreter, *flags, "-c", _TEMPLATE_MAIN, str(os.getpid()),
+                 str(theirs.fileno()), worker_path(self.program), *self.modules],
+                env=self.env, stdin=subprocess.DEVNULL, stdout=_stderr_fd(),
                 pass_fds=(theirs.fileno(),), start_new_session=True)
         self._sock = ours
         threading.Thread(target=self._listen, daemon=True, name="rdzv-template").start()
@@ -136,14 +149,15 @@ class WorkerTemplate:
             return
         self._process.kill()
         try:
-            self._process.wait(timeout=10)
+            self._process.wait(timeout=CLOSE_WAIT)
         except subprocess.TimeoutExpired:
             logger.error("worker template pid %d did not die after SIGKILL", self._process.pid)
         if self._sock is not None:
             self._sock.close()
 
     def _listen(self) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self._process is not None
+        why = ""
         try:
             while True:
                 message, fds = receive(self._sock)
@@ -154,29 +168,40 @@ class WorkerTemplate:
                 self._on(message)
         except OSError:  # closed by close()
             pass
-        self._gone(f"it ended (exit code {self._process.wait() if self._process else '?'})")
+        except Exception as exc:  # noqa: BLE001 (a bug: say it; the workers must not wait)
+            logger.exception("the worker template's messages could not be read")
+            why = f"its messages could not be read: {exc!r}"
+        finally:
+            if not why:
+                try:
+                    why = f"it ended (exit code {self._process.wait(timeout=CLOSE_WAIT)})"
+                except subprocess.TimeoutExpired:
+                    why = "it closed its socket"
+            self._gone(why)
 
     def _on(self, message: dict[str, Any]) -> None:
         if "ready" in message:
             self._ready.set()
-        elif "error" in message and "started" not in message:
-            self._failed = message["error"]
-            self._ready.set()
         elif "started" in message:
             with self._lock:
-                pending = self._pending.pop(message["started"])
-            if "pid" in message:
-                pending.worker = ForkedWorker(message["pid"], *pending.streams)
-                with self._lock:
+                pending = self._pending.pop(message["started"], None)
+                if pending is not None and "pid" in message:
+                    pending.worker = ForkedWorker(message["pid"], *pending.streams)
                     self._workers[message["pid"]] = pending.worker
-            else:
-                pending.error = message["error"]
+            if pending is None:  # its start timed out and was made anew: not a second worker
+                if "pid" in message:
+                    signal_group(message["pid"], signal.SIGKILL)
+                return
+            pending.error = message.get("error", "")
             pending.answered.set()
         elif "exited" in message:
             with self._lock:
                 worker = self._workers.pop(message["exited"], None)
             if worker is not None:
                 worker.ended(message["returncode"])
+        elif "error" in message:
+            self._failed = message["error"]
+            self._ready.set()
 
     def _gone(self, why: str) -> None:
         """The template is gone: its workers died with it; starts wait no more."""
@@ -197,9 +222,10 @@ class WorkerTemplate:
         """Start one worker of ``command`` (the template's): forked from the template, or, the
         template unusable, as a new process. ``stdout``/``stderr``: a file or
         ``subprocess.PIPE``."""
-        if not self._ready.wait(READY_TIMEOUT):
+        if not self._ready.wait(self.ready_timeout):
             self._failed = self._failed or (f"it did not import {', '.join(self.modules)} "
-                                            f"within {READY_TIMEOUT:g} s")
+                                            f"within {self.ready_timeout:g} s")
+            self.close()
         if not self._failed:
             try:
                 return self._fork(env, stdout, stderr)
@@ -216,6 +242,7 @@ class WorkerTemplate:
         assert self._sock is not None
         fds: list[int] = []
         ends: list[IO[bytes] | None] = []
+        ident = -1
         try:
             for stream in (stdout, stderr):
                 if stream == subprocess.PIPE:
@@ -231,14 +258,27 @@ class WorkerTemplate:
             send(self._sock, {"start": ident, "program": self.program, "argv": self.argv,
                               "env": dict(env), "cwd": os.getcwd(),
                               "unbuffered": self.unbuffered}, tuple(fds))
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if not pending.answered.wait(START_TIMEOUT):
-            raise OSError(f"no answer within {START_TIMEOUT:g} s")
-        if pending.worker is None:
+            if not pending.answered.wait(START_TIMEOUT):
+                raise OSError(f"no answer within {START_TIMEOUT:g} s")
+            if pending.worker is None:
+                raise OSError(pending.error)
+            return pending.worker
+        except OSError:
+            with self._lock:
+                self._pending.pop(ident, None)  # a late answer is killed (see _on)
             for end in ends:
                 if end is not None:
                     end.close()
-            raise OSError(pending.error)
-        return pending.worker
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _stderr_fd() -> int | None:
+    """The agent's stderr for the template's output (None: inherited, where it has no fd)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+

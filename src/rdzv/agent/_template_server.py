@@ -2,42 +2,61 @@
 once, then forks every worker of its node from itself.
 
 A Python worker started afresh spends seconds importing torch before its first step; a process
-forked from one that has already imported it starts in milliseconds. The agent starts this module
-with ``FD MODULE...`` as the arguments of :func:`main`, ``FD`` its end of a ``SOCK_SEQPACKET``
-pair. Messages are JSON objects, one per packet (never pickled):
+forked from one that has already imported it starts in milliseconds. The agent starts the
+template with ``AGENT FD PATH0 MODULE...`` as the arguments of :func:`main`: the agent's pid, ``FD``
+its end of a ``SOCK_SEQPACKET`` pair, ``PATH0`` the workers' ``sys.path[0]`` (the script's
+directory), then the modules. Messages are JSON objects, one per packet (never pickled):
 
 - template -> agent, once: ``{"ready": [modules]}`` or ``{"error": "..."}`` (then it exits);
-- agent -> template: ``{"start": id, "program": [...], "argv": [...], "env": {...}, "cwd": ...,
-  "unbuffered": bool}`` with the worker's stdout and stderr as two passed descriptors;
-- template -> agent: ``{"started": id, "pid": pid}`` or ``{"started": id, "error": "..."}``,
-  and ``{"exited": pid, "returncode": code}`` for every worker that ends (negative: the signal).
+- agent -> template: ``{"start": id, "program": [kind, target], "argv": [...], "env": {...},
+  "cwd": ..., "unbuffered": bool}`` with the worker's stdout and stderr as two passed descriptors;
+- template -> agent: ``{"started": id, "pid": pid}`` (once the worker leads its own session) or
+  ``{"started": id, "error": "..."}``, and ``{"exited": pid, "returncode": code}`` for every
+  worker that ends (negative: the signal that ended it).
 
 Each worker is the template's child, in a session of its own (its pid is its process group), and
 receives SIGKILL when the template dies (``PR_SET_PDEATHSIG``), as the template does when its
 agent dies. In the child, :func:`serve` returns the program to run instead of looping, so the
-program runs at the top of the stack and ends as a Python program does (``atexit``, threads,
-flushed streams, the exit code of ``SystemExit`` or 1 after an uncaught exception's traceback).
+program runs at the top of the stack, in a ``__main__`` module of its own that stays installed,
+and ends as a Python program does (``atexit``, threads, flushed streams, the exit code of
+``SystemExit`` or 1 after an uncaught exception's traceback).
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import importlib
+import importlib.machinery
+import importlib.util
 import io
 import json
 import os
-import runpy
 import select
 import signal
 import socket
 import sys
 import traceback
-from typing import Any
+import types
+from typing import Any, Callable
+
+from ._workers import signal_group
 
 MAX_MESSAGE = 1 << 20
 """The largest message either side reads (a worker's environment included)."""
 PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (Linux), loaded once: a forked child must not ``dlopen``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
@@ -57,15 +76,11 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return json.loads(data), fds
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux); exit at once if it already has."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent or parent == 1:
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (its parent) dies; exit at once if it already has."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:
         os._exit(1)
 
 
@@ -78,9 +93,9 @@ def _preload(modules: list[str]) -> str | None:
             return f"cannot import {name!r}: {type(exc).__name__}: {exc}"
     cuda = sys.modules.get("torch.cuda")
     if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
-        return ("CUDA was initialized while importing the preloaded modules; workers forked "
-                "from the template could not use it: preload only modules that do not touch "
-                "the GPU at import")
+        return ("CUDA was initialized while importing the preloaded modules, and workers "
+                "forked after that cannot use it: preload only modules that do not touch the "
+                "GPU at import")
     return None
 
 
@@ -92,40 +107,55 @@ class Program:
         self.argv: list[str] = request["argv"]
         self.env: dict[str, str] = request["env"]
         self.cwd: str = request["cwd"]
-        self.unbuffered = bool(request.get("unbuffered")) or bool(
-            self.env.get("PYTHONUNBUFFERED"))
+        self.unbuffered = bool(request["unbuffered"])
         self.fds = fds
 
-    def become(self) -> None:
-        """In the forked child: take the worker's session, streams, directory and environment."""
-        os.setsid()
+    def become(self, template: int) -> None:
+        """In the child forked by ``template``: take the worker's streams, directory and
+        environment (its session is already its own)."""
+        _die_with(template)
         stdout, stderr = self.fds
         devnull = os.open(os.devnull, os.O_RDONLY)
         for fd, target in ((devnull, 0), (stdout, 1), (stderr, 2)):
             if fd != target:
                 os.dup2(fd, target)
                 os.close(fd)
+        unbuffered = self.unbuffered or bool(self.env.get("PYTHONUNBUFFERED"))
         encoding = getattr(sys.__stdout__, "encoding", None) or "utf-8"
         sys.stdin = open(0, encoding=encoding, closefd=False)  # noqa: SIM115
-        sys.stdout = _text_stream(1, encoding, self.unbuffered, line_buffering=os.isatty(1))
-        sys.stderr = _text_stream(2, encoding, self.unbuffered, line_buffering=True,
-                                 errors="backslashreplace")
+        sys.stdout = _text_stream(1, encoding, unbuffered, line_buffering=os.isatty(1))
+        sys.stderr = _text_stream(2, encoding, unbuffered, line_buffering=True,
+                                  errors="backslashreplace")
         os.chdir(self.cwd)
         os.environ.clear()
         os.environ.update(self.env)
         sys.argv[:] = self.argv
-        sys.path[0] = (os.path.dirname(os.path.abspath(self.target)) if self.kind == "path"
-                       else os.getcwd())
         numpy_random = sys.modules.get("numpy.random")
         if numpy_random is not None:  # a fresh process seeds it from the OS: so do forks
             numpy_random.seed()
 
     def run(self) -> None:
-        """Run the program as ``python [-m] TARGET`` would (``SystemExit`` passes through)."""
+        """Run the program as ``python -u [-m] TARGET`` does: its code in a new ``__main__``
+        module that stays in ``sys.modules`` (``SystemExit`` passes through)."""
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = __builtins__
         if self.kind == "module":
-            runpy.run_module(self.target, run_name="__main__", alter_sys=True)
+            spec = importlib.util.find_spec(self.target)
+            if spec is not None and spec.submodule_search_locations is not None:
+                spec = importlib.util.find_spec(f"{self.target}.__main__")  # a package
+            if spec is None or spec.loader is None or spec.origin is None:
+                raise SystemExit(f"{sys.executable}: No module named {self.target}")
+            code = spec.loader.get_code(spec.name)  # type: ignore[attr-defined]
+            main.__spec__, main.__loader__, main.__package__ = spec, spec.loader, spec.parent
+            sys.argv[0] = main.__file__ = spec.origin
         else:
-            runpy.run_path(self.target, run_name="__main__")
+            with open(self.target, "rb") as handle:
+                code = compile(handle.read(), self.target, "exec")
+            main.__file__ = self.target
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", self.target)
+        main.__cached__ = None  # type: ignore[attr-defined]
+        sys.modules["__main__"] = main
+        exec(code, main.__dict__)  # noqa: S102 (the worker's own program, as python runs it)
 
 
 def _text_stream(fd: int, encoding: str, unbuffered: bool, line_buffering: bool,
@@ -134,12 +164,8 @@ def _text_stream(fd: int, encoding: str, unbuffered: bool, line_buffering: bool,
     raw = io.FileIO(fd, "w", closefd=False)
     binary: io.RawIOBase | io.BufferedWriter = raw if unbuffered else io.BufferedWriter(raw)
     return io.TextIOWrapper(binary, encoding=encoding, errors=errors,  # type: ignore[arg-type]
-                            write_through=unbuffered, line_buffering=line_buffering and not unbuffered)
-
-
-def _returncode(status: int) -> int:
-    """A wait status as :class:`subprocess.Popen` gives it (negative: killed by that signal)."""
-    return os.waitstatus_to_exitcode(status)
+                            write_through=unbuffered,
+                            line_buffering=line_buffering and not unbuffered)
 
 
 def serve(sock: socket.socket) -> Program | None:
@@ -150,6 +176,7 @@ def serve(sock: socket.socket) -> Program | None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set[int] = set()
+    template = os.getpid()
     try:
         while True:
             ready, _w, _x = select.select([sock.fileno(), wake_r], [], [])
@@ -162,61 +189,57 @@ def serve(sock: socket.socket) -> Program | None:
             if request is None:
                 return None
             program = Program(request, fds)
+            session_r, session_w = os.pipe()
             try:
                 pid = os.fork()
             except OSError as exc:
-                send(sock, {"started": request["start"], "error": f"fork failed: {exc}"})
-                for fd in fds:
+                for fd in (*fds, session_r, session_w):
                     os.close(fd)
+                send(sock, {"started": request["start"], "error": f"fork failed: {exc}"})
                 continue
             if pid == 0:
+                os.setsid()
+                os.close(session_w)  # (the template waits for this: the worker's group exists)
                 children.clear()  # the template's to watch, not this worker's
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (wake_r, wake_w):
+                for fd in (wake_r, wake_w, session_r):
                     os.close(fd)
                 sock.close()
-                _die_with_parent()
-                program.become()
+                program.become(template)
                 return program
             children.add(pid)
-            for fd in fds:
+            os.close(session_w)
+            os.read(session_r, 1)  # EOF once the child leads its own session (or died)
+            for fd in (*fds, session_r):
                 os.close(fd)
             send(sock, {"started": request["start"], "pid": pid})
     finally:
-        if children:  # the agent is gone (or the loop failed): so are the workers
-            for pid in children:
-                _kill_group(pid)
+        for pid in children:  # the agent is gone (or the loop failed): so are the workers
+            signal_group(pid, signal.SIGKILL)
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
-    """Report every child that ended."""
-    while children:
+    """Report every worker that ended (only the workers: a preloaded module's own children are
+    left to it)."""
+    for pid in list(children):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        send(sock, {"exited": pid, "returncode": _returncode(status)})
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError as exc:
-        if exc.errno not in (errno.ESRCH, errno.EPERM):
-            raise
+            done, status = pid, 255 << 8
+        if done:
+            children.discard(pid)
+            send(sock, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
 def main(argv: list[str]) -> None:
-    """The template process (``argv``: its socket's descriptor, the modules): preload the
-    modules, say so, then serve until the agent is gone; in a forked child, run the worker's
-    program."""
-    _die_with_parent()
-    sock = socket.socket(fileno=int(argv[0]))
-    modules = argv[1:]
+    """The template process (``argv``: its agent's pid, its socket's descriptor, the workers'
+    ``sys.path[0]``, the modules): preload the modules, say so, then serve until the agent is gone; in a forked
+    child, run the worker's program."""
+    _die_with(int(argv[0]))
+    sock = socket.socket(fileno=int(argv[1]))
+    sys.path[0] = argv[2]
+    modules = argv[3:]
     failure = _preload(modules)
     if failure is not None:
         send(sock, {"error": failure})
@@ -230,5 +253,13 @@ def main(argv: list[str]) -> None:
         traceback.print_exc()
         raise
     if program is not None:
-        program.run()
-
+        try:
+            program.run()
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # noqa: BLE001 (shown as python shows it, exit code 1)
+            trace = exc.__traceback__
+            while trace is not None and trace.tb_frame.f_globals.get("__name__") == __name__:
+                trace = trace.tb_next  # the template's own frames: not the program's
+            sys.excepthook(type(exc), exc.with_traceback(trace), trace)
+            raise SystemExit(1) from None

@@ -265,7 +265,7 @@ class WorkerGroup:
         if worker is None or worker.exited.is_set():
             return False
         if group:
-            _signal_group(worker.process.pid, signum)
+            signal_group(worker.process.pid, signum)
         else:
             try:
                 os.kill(worker.process.pid, signum)
@@ -277,7 +277,7 @@ class WorkerGroup:
         """Send ``signum`` to the process group of every worker still running."""
         for worker in self._workers.values():
             if not worker.exited.is_set():
-                _signal_group(worker.process.pid, signum)
+                signal_group(worker.process.pid, signum)
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         """Send ``signum`` to every running worker, wait up to ``timeout`` s, then SIGKILL.
@@ -297,14 +297,14 @@ class WorkerGroup:
                 logger.warning("%d worker(s) still running after %.3g s: SIGKILL", len(late),
                                timeout)
                 for worker in late:
-                    _signal_group(worker.process.pid, signal.SIGKILL)
+                    signal_group(worker.process.pid, signal.SIGKILL)
                 for worker in late:
                     if not worker.exited.wait(KILL_WAIT):
                         logger.error("worker pid %d did not die after SIGKILL",
                                      worker.process.pid)
         for worker in self._workers.values():
             # a worker that exited leaves its children behind: stop them too
-            _signal_group(worker.process.pid, signal.SIGKILL)
+            signal_group(worker.process.pid, signal.SIGKILL)
         self.drain_logs()
 
     def drain_logs(self) -> None:
@@ -316,7 +316,8 @@ class WorkerGroup:
                     pump.join(max(0.0, deadline - time.monotonic()))
 
 
-def _signal_group(pid: int, signum: int) -> None:
+def signal_group(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group ``pid`` (a worker's session), if it is still there."""
     try:
         os.killpg(pid, signum)
     except (ProcessLookupError, PermissionError):
