@@ -118,6 +118,8 @@ def test_forked_workers_run_as_python_runs_a_script(agents: Any, job: Any) -> No
         assert (job.out / f"atexit-{worker['rank']}-0").stat().st_size > 0
     assert "[0]:rank 0 says hello" in text and "[1]:rank 1 on stderr" in text
     assert "the workers are forked from it" in text
+    # the node joins once its template is ready: in a round, its workers start at once
+    assert text.index("worker template ready in") < text.index("waiting for nodes"), text
     wait_for(lambda: not pid_alive(template), 30.0, "the template to end with its agent")
 
 

@@ -32,6 +32,8 @@ from ._workers import WorkerGroup, WorkerSpec, popen
 logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+TEMPLATE_POLL = 0.1
+"""Seconds between looks for a signal while the node waits for its worker template."""
 SIGNALLED_LEAVE = 3.0
 """Seconds a node stopped by a signal gives leaving the rendezvous before it exits anyway."""
 
@@ -173,15 +175,26 @@ class ElasticAgent:
                 self._shutdown_handler()
 
     def _open_template(self) -> None:
-        """Start the worker template of ``--preload``: its imports overlap the rendezvous."""
+        """Start the worker template of ``--preload`` and wait for its imports (at most
+        ``--worker-connect-timeout``, or until a signal) before the node joins: once in a round,
+        its workers start at once. A newcomer whose workers still had to import would hold
+        every node's restart under ``--restart-on-change`` (and torchrun's) for that long."""
         if not self.config.preload:
             return
-        self.template = WorkerTemplate(self.config.command, self.config.preload,
-                                       threads_env(self.config, os.environ), self.say,
-                                       self.config.worker_connect_timeout)
-        self.template.open()
-        self.say(f"worker template (pid {self.template.pid}) imports "
-                 f"{', '.join(self.config.preload)}; the workers are forked from it")
+        template = self.template = WorkerTemplate(
+            self.config.command, self.config.preload, threads_env(self.config, os.environ),
+            self.say, self.config.worker_connect_timeout)
+        template.open()
+        modules = ", ".join(self.config.preload)
+        self.say(f"worker template (pid {template.pid}) imports {modules}; the workers are "
+                 "forked from it")
+        began = self.clock.monotonic()
+        deadline = began + self.config.worker_connect_timeout
+        while not template.settled(TEMPLATE_POLL) and not self.signalled \
+                and self.clock.monotonic() < deadline:
+            pass
+        if template.usable():
+            self.say(f"worker template ready in {self.clock.monotonic() - began:.2f} s")
 
     def start_workers(self, group: WorkerGroup, local_ranks: list[int],
                       assignment: Assignment | None, restarts: int, channel_path: str,

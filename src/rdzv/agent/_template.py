@@ -139,6 +139,15 @@ class WorkerTemplate:
         logger.info("worker template pid %d importing %s", self._process.pid,
                     ", ".join(self.modules))
 
+    def settled(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the template to be ready or to have failed; whether it
+        is either."""
+        return self._ready.wait(timeout)
+
+    def usable(self) -> bool:
+        """Ready, and not failed."""
+        return self._ready.is_set() and not self._failed
+
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
