@@ -221,15 +221,19 @@ class TrainingJob:
         return [self.nodes[node].pid] + descendants(self.nodes[node].pid)
 
     def workers(self, node: int) -> list[int]:
-        """The processes under node ``node``'s launcher that run the example (its workers)."""
+        """The processes under node ``node``'s launcher that run the example (its workers; under
+        ``--preload`` the worker template's command line names the example too, but its name
+        is ``rdzv-template``)."""
         found = []
         for pid in descendants(self.nodes[node].pid):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as handle:
                     argv = handle.read().split(b"\0")
+                with open(f"/proc/{pid}/comm") as handle:
+                    name = handle.read().strip()
             except OSError:
                 continue
-            if self.spec.example.encode() in argv:
+            if self.spec.example.encode() in argv and name != "rdzv-template":
                 found.append(pid)
         return found
 

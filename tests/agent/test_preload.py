@@ -34,7 +34,8 @@ PROGRAM = textwrap.dedent('''
             "cwd": os.getcwd(), "rank": rank, "attempt": attempt, "pid": os.getpid(),
             "ppid": os.getppid(), "session": os.getsid(0), "preloaded": preloaded,
             "imported_by": preload_probe.PID, "local_world": os.environ["LOCAL_WORLD_SIZE"],
-            "stdin": sys.stdin.read()}
+            "stdin": sys.stdin.read(), "comm": open("/proc/self/comm").read().strip(),
+            "cmdline": open("/proc/self/cmdline").read().split("\\0")}
     out = sys.argv[1]
     with open(os.path.join(out, f"{rank}-{attempt}-{os.getpid()}.json"), "w") as handle:
         json.dump(seen, handle)
@@ -115,6 +116,8 @@ def test_forked_workers_run_as_python_runs_a_script(agents: Any, job: Any) -> No
         assert worker["ppid"] == template  # forked by the template...
         assert worker["session"] == worker["pid"]  # ...in a session of its own
         assert worker["local_world"] == "2" and worker["stdin"] == ""
+        assert str(job.script) in worker["cmdline"]  # `pgrep -f program.py` finds it...
+        assert worker["comm"] != "rdzv-template"  # ...and `ps -o comm` tells it from the template
         assert (job.out / f"atexit-{worker['rank']}-0").stat().st_size > 0
     assert "[0]:rank 0 says hello" in text and "[1]:rank 1 on stderr" in text
     assert "the workers are forked from it" in text
@@ -170,6 +173,7 @@ def test_workers_die_with_their_template_and_restart_as_new_processes(
     node = agents.start(job.args("until", "--max-restarts", "1"))
     wait_for(lambda: len(reports(job.out)) == 2, JOIN, "two forked workers")
     template = template_pid(node.output())
+    assert Path(f"/proc/{template}/comm").read_text().strip() == "rdzv-template"
     os.kill(template, signal.SIGKILL)
     wait_for(lambda: len(reports(job.out)) == 4, JOIN, "the workers to restart")
     text = node.output()

@@ -109,6 +109,7 @@ class WorkerTemplate:
             raise ValueError(f"not a Python worker command: {list(command)!r}")
         self.program, self.argv, self.unbuffered = program
         self.interpreter = command[0]
+        self.command = list(command)
         self.modules = list(modules)
         self.env = dict(env)
         self.ready_timeout = ready_timeout
@@ -131,7 +132,8 @@ class WorkerTemplate:
         with theirs:
             self._process = subprocess.Popen(
                 [self.interpreter, *flags, "-c", _TEMPLATE_MAIN, str(os.getpid()),
-                 str(theirs.fileno()), worker_path(self.program), *self.modules],
+                 str(theirs.fileno()), worker_path(self.program), *self.modules, "--",
+                 *self.command],
                 env=self.env, stdin=subprocess.DEVNULL, stdout=_stderr_fd(),
                 pass_fds=(theirs.fileno(),), start_new_session=True)
         self._sock = ours

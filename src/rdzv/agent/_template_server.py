@@ -3,9 +3,10 @@ once, then forks every worker of its node from itself.
 
 A Python worker started afresh spends seconds importing torch before its first step; a process
 forked from one that has already imported it starts in milliseconds. The agent starts the
-template with ``AGENT FD PATH0 MODULE...`` as the arguments of :func:`main`: the agent's pid, ``FD``
-its end of a ``SOCK_SEQPACKET`` pair, ``PATH0`` the workers' ``sys.path[0]`` (the script's
-directory), then the modules. Messages are JSON objects, one per packet (never pickled):
+template with ``AGENT FD PATH0 MODULE... -- COMMAND...`` as the arguments of :func:`main`: the
+agent's pid, ``FD`` its end of a ``SOCK_SEQPACKET`` pair, ``PATH0`` the workers' ``sys.path[0]``
+(the script's directory), the modules, and the worker command, which only shows in ``ps``: a
+forked worker has its template's command line, so ``pgrep -f train.py`` finds it. Messages are JSON objects, one per packet (never pickled):
 
 - template -> agent, once: ``{"ready": [modules]}`` or ``{"error": "..."}`` (then it exits);
 - agent -> template: ``{"start": id, "program": [kind, target], "argv": [...], "env": {...},
@@ -44,6 +45,9 @@ from ._workers import signal_group
 MAX_MESSAGE = 1 << 20
 """The largest message either side reads (a worker's environment included)."""
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+TEMPLATE_NAME = "rdzv-template"
+"""The template's process name; its workers take back the interpreter's (``python3``...)."""
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -82,6 +86,18 @@ def _die_with(parent: int) -> None:
         _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _name(name: str) -> str:
+    """Set this process's name (``ps -o comm``, ``top``; Linux); the name it had."""
+    try:
+        with open("/proc/self/comm") as handle:
+            before = handle.read().strip()
+    except OSError:
+        return name
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+    return before
 
 
 def _preload(modules: list[str]) -> str | None:
@@ -168,9 +184,10 @@ def _text_stream(fd: int, encoding: str, unbuffered: bool, line_buffering: bool,
                             line_buffering=line_buffering and not unbuffered)
 
 
-def serve(sock: socket.socket) -> Program | None:
+def serve(sock: socket.socket, worker_name: str) -> Program | None:
     """Start workers as the agent asks and report their exits; returns None when the agent is
-    gone, and, in each forked child, the program that child is to run."""
+    gone, and, in each forked child (named ``worker_name``), the program that child is to
+    run."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -199,6 +216,7 @@ def serve(sock: socket.socket) -> Program | None:
                 continue
             if pid == 0:
                 os.setsid()
+                _name(worker_name)
                 os.close(session_w)  # (the template waits for this: the worker's group exists)
                 children.clear()  # the template's to watch, not this worker's
                 signal.set_wakeup_fd(-1)
@@ -234,19 +252,21 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
 
 def main(argv: list[str]) -> None:
     """The template process (``argv``: its agent's pid, its socket's descriptor, the workers'
-    ``sys.path[0]``, the modules): preload the modules, say so, then serve until the agent is gone; in a forked
+    ``sys.path[0]``, the modules, then ``--`` and the worker command, there to be seen in
+    ``ps``): preload the modules, say so, then serve until the agent is gone; in a forked
     child, run the worker's program."""
     _die_with(int(argv[0]))
     sock = socket.socket(fileno=int(argv[1]))
     sys.path[0] = argv[2]
-    modules = argv[3:]
+    modules = argv[3:argv.index("--")] if "--" in argv else argv[3:]
+    worker_name = _name(TEMPLATE_NAME)
     failure = _preload(modules)
     if failure is not None:
         send(sock, {"error": failure})
         return
     send(sock, {"ready": modules})
     try:
-        program = serve(sock)
+        program = serve(sock, worker_name)
     except BrokenPipeError:  # the agent is gone
         return
     except BaseException:  # noqa: BLE001 (anything else is a bug: say it on the agent's stderr)
