@@ -225,3 +225,10 @@ def test_print_config_shows_each_value_and_its_origin() -> None:
     assert rows[6] == "rdzv_conf join_timeout 5 (--rdzv-conf)"
     assert rows[7].startswith("command ")
     assert rows[7].endswith("no/such/script.py (TRAINING_SCRIPT)")
+    preloading = subprocess.run(
+        [sys.executable, "-m", "rdzv", "run", "--print-config", "--standalone", "train.py"],
+        env={"PATH": "/usr/bin:/bin", "PET_PRELOAD": "torch,numpy"}, capture_output=True,
+        text=True, timeout=60, check=False)
+    assert preloading.returncode == 0, preloading.stderr
+    assert "preload torch,numpy (PET_PRELOAD)" in [
+        " ".join(line.split()) for line in preloading.stdout.splitlines()]

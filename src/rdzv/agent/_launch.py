@@ -139,6 +139,8 @@ def describe(config: LaunchConfig) -> str:
     ]
     for key, value in sorted(config.rdzv_conf.items()):
         rows.append((f"rdzv_conf {key}", value, origins.get(f"rdzv_conf:{key}", "default")))
+    if config.preload:
+        rows.append(("preload", ",".join(config.preload), origins.get("preload", "default")))
     value_width = max(len(value) for _n, value, _o in rows)
     rows.append(("command", " ".join(config.command), "TRAINING_SCRIPT"))
     width = max(len(name) for name, _v, _o in rows)
