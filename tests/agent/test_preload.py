@@ -30,11 +30,15 @@ PROGRAM = textwrap.dedent('''
     import preload_probe
     rank = os.environ["RANK"]
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+
+    def typed(x: int) -> None:  # its annotations are objects (no __future__ of the template's)
+        pass
+
     seen = {"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
             "cwd": os.getcwd(), "rank": rank, "attempt": attempt, "pid": os.getpid(),
             "ppid": os.getppid(), "session": os.getsid(0), "preloaded": preloaded,
             "imported_by": preload_probe.PID, "local_world": os.environ["LOCAL_WORLD_SIZE"],
-            "stdin": sys.stdin.read(), "comm": open("/proc/self/comm").read().strip(),
+            "stdin": sys.stdin.read(), "annotation": repr(typed.__annotations__["x"]), "comm": open("/proc/self/comm").read().strip(),
             "cmdline": open("/proc/self/cmdline").read().split("\\0")}
     out = sys.argv[1]
     with open(os.path.join(out, f"{rank}-{attempt}-{os.getpid()}.json"), "w") as handle:
@@ -116,6 +120,7 @@ def test_forked_workers_run_as_python_runs_a_script(agents: Any, job: Any) -> No
         assert worker["ppid"] == template  # forked by the template...
         assert worker["session"] == worker["pid"]  # ...in a session of its own
         assert worker["local_world"] == "2" and worker["stdin"] == ""
+        assert worker["annotation"] == "<class 'int'>"
         assert str(job.script) in worker["cmdline"]  # `pgrep -f program.py` finds it...
         assert worker["comm"] != "rdzv-template"  # ...and `ps -o comm` tells it from the template
         assert (job.out / f"atexit-{worker['rank']}-0").stat().st_size > 0

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from ._template_server import receive, send
@@ -119,6 +120,7 @@ class WorkerTemplate:
         self._ready = threading.Event()
         self._failed = ""
         self._said = False
+        self._ready_by = 0.0
         self._lock = threading.Lock()
         self._next_id = 0
         self._pending: dict[int, _Pending] = {}
@@ -137,6 +139,7 @@ class WorkerTemplate:
                 env=self.env, stdin=subprocess.DEVNULL, stdout=_stderr_fd(),
                 pass_fds=(theirs.fileno(),), start_new_session=True)
         self._sock = ours
+        self._ready_by = time.monotonic() + self.ready_timeout
         threading.Thread(target=self._listen, daemon=True, name="rdzv-template").start()
         logger.info("worker template pid %d importing %s", self._process.pid,
                     ", ".join(self.modules))
@@ -215,7 +218,10 @@ class WorkerTemplate:
             self._ready.set()
 
     def _gone(self, why: str) -> None:
-        """The template is gone: its workers died with it; starts wait no more."""
+        """The template is gone (or no longer heard: then it is killed, and its workers die
+        with it): its workers are ended; starts wait no more."""
+        if self._process is not None:
+            self._process.kill()
         with self._lock:
             self._failed = self._failed or why
             workers, self._workers = list(self._workers.values()), {}
@@ -233,7 +239,7 @@ class WorkerTemplate:
         """Start one worker of ``command`` (the template's): forked from the template, or, the
         template unusable, as a new process. ``stdout``/``stderr``: a file or
         ``subprocess.PIPE``."""
-        if not self._ready.wait(self.ready_timeout):
+        if not self._ready.wait(max(0.0, self._ready_by - time.monotonic())):
             self._failed = self._failed or (f"it did not import {', '.join(self.modules)} "
                                             f"within {self.ready_timeout:g} s")
             self.close()
@@ -242,6 +248,7 @@ class WorkerTemplate:
                 return self._fork(env, stdout, stderr)
             except OSError as exc:
                 self._failed = f"it could not start a worker: {exc}"
+                self.close()  # (not used again: its memory is freed)
         if not self._said:
             self._said = True
             self._say(f"--preload: the worker template is not usable ({self._failed}); "
@@ -276,7 +283,12 @@ class WorkerTemplate:
             return pending.worker
         except OSError:
             with self._lock:
-                self._pending.pop(ident, None)  # a late answer is killed (see _on)
+                self._pending.pop(ident, None)  # a later answer is killed (see _on)
+                late = pending.worker if ident >= 0 else None
+                if late is not None:  # answered as the wait ended: not a second worker either
+                    self._workers.pop(late.pid, None)
+            if late is not None:
+                signal_group(late.pid, signal.SIGKILL)
             for end in ends:
                 if end is not None:
                     end.close()

@@ -25,6 +25,7 @@ and ends as a Python program does (``atexit``, threads, flushed streams, the exi
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import importlib
 import importlib.machinery
@@ -154,7 +155,7 @@ class Program:
         """Run the program as ``python -u [-m] TARGET`` does: its code in a new ``__main__``
         module that stays in ``sys.modules`` (``SystemExit`` passes through)."""
         main = types.ModuleType("__main__")
-        main.__dict__["__builtins__"] = __builtins__
+        main.__dict__["__builtins__"] = builtins
         if self.kind == "module":
             spec = importlib.util.find_spec(self.target)
             if spec is not None and spec.submodule_search_locations is not None:
@@ -165,10 +166,11 @@ class Program:
             main.__spec__, main.__loader__, main.__package__ = spec, spec.loader, spec.parent
             sys.argv[0] = main.__file__ = spec.origin
         else:
-            with open(self.target, "rb") as handle:
-                code = compile(handle.read(), self.target, "exec")
-            main.__file__ = self.target
-            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", self.target)
+            path = os.path.abspath(self.target)  # (python makes the script's __file__ absolute)
+            with open(path, "rb") as handle:  # (not this module's __future__ flags)
+                code = compile(handle.read(), path, "exec", dont_inherit=True)
+            main.__file__ = path
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
         main.__cached__ = None  # type: ignore[attr-defined]
         sys.modules["__main__"] = main
         exec(code, main.__dict__)  # noqa: S102 (the worker's own program, as python runs it)
@@ -215,10 +217,10 @@ def serve(sock: socket.socket, worker_name: str) -> Program | None:
                 send(sock, {"started": request["start"], "error": f"fork failed: {exc}"})
                 continue
             if pid == 0:
-                os.setsid()
-                _name(worker_name)
-                os.close(session_w)  # (the template waits for this: the worker's group exists)
                 children.clear()  # the template's to watch, not this worker's
+                os.setsid()
+                os.close(session_w)  # (the template waits for this: the worker's group exists)
+                _name(worker_name)
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 for fd in (wake_r, wake_w, session_r):
