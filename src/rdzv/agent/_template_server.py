@@ -6,7 +6,8 @@ forked from one that has already imported it starts in milliseconds. The agent s
 template with ``AGENT FD PATH0 MODULE... -- COMMAND...`` as the arguments of :func:`main`: the
 agent's pid, ``FD`` its end of a ``SOCK_SEQPACKET`` pair, ``PATH0`` the workers' ``sys.path[0]``
 (the script's directory), the modules, and the worker command, which only shows in ``ps``: a
-forked worker has its template's command line, so ``pgrep -f train.py`` finds it. Messages are JSON objects, one per packet (never pickled):
+forked worker has its template's command line, so ``pgrep -f train.py`` finds it. Messages are
+JSON objects, one per packet (never pickled):
 
 - template -> agent, once: ``{"ready": [modules]}`` or ``{"error": "..."}`` (then it exits);
 - agent -> template: ``{"start": id, "program": [kind, target], "argv": [...], "env": {...},
@@ -39,29 +40,15 @@ import socket
 import sys
 import traceback
 import types
-from typing import Any, Callable
+from typing import Any
 
-from ._workers import signal_group
+from ._workers import PRCTL, die_with, signal_group
 
 MAX_MESSAGE = 1 << 20
 """The largest message either side reads (a worker's environment included)."""
-PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 TEMPLATE_NAME = "rdzv-template"
 """The template's process name; its workers take back the interpreter's (``python3``...)."""
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    """libc's ``prctl`` (Linux), loaded once: a forked child must not ``dlopen``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
@@ -81,14 +68,6 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return json.loads(data), fds
 
 
-def _die_with(parent: int) -> None:
-    """SIGKILL this process when ``parent`` (its parent) dies; exit at once if it already has."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _name(name: str) -> str:
     """Set this process's name (``ps -o comm``, ``top``; Linux); the name it had."""
     try:
@@ -96,8 +75,8 @@ def _name(name: str) -> str:
             before = handle.read().strip()
     except OSError:
         return name
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+    if PRCTL is not None:
+        PRCTL(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
     return before
 
 
@@ -130,7 +109,7 @@ class Program:
     def become(self, template: int) -> None:
         """In the child forked by ``template``: take the worker's streams, directory and
         environment (its session is already its own)."""
-        _die_with(template)
+        die_with(template)
         stdout, stderr = self.fds
         devnull = os.open(os.devnull, os.O_RDONLY)
         for fd, target in ((devnull, 0), (stdout, 1), (stderr, 2)):
@@ -257,7 +236,7 @@ def main(argv: list[str]) -> None:
     ``sys.path[0]``, the modules, then ``--`` and the worker command, there to be seen in
     ``ps``): preload the modules, say so, then serve until the agent is gone; in a forked
     child, run the worker's program."""
-    _die_with(int(argv[0]))
+    die_with(int(argv[0]))
     sock = socket.socket(fileno=int(argv[1]))
     sys.path[0] = argv[2]
     modules = argv[3:argv.index("--")] if "--" in argv else argv[3:]

@@ -11,6 +11,7 @@ the file and, prefixed with ``[<global rank>]:``, to the agent's own stream.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import logging
 import os
@@ -50,23 +51,28 @@ class WorkerExited:
     time: float
 
 
-def _death_signal_setter() -> Callable[[], None] | None:
-    """A preexec function making the child receive SIGKILL when the agent dies (Linux only)."""
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (Linux), loaded once: a forked child must not ``dlopen``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None
-    parent = os.getpid()
 
-    def set_death_signal() -> None:
-        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the agent died before prctl took effect
-            os._exit(1)
 
-    return set_death_signal
+PRCTL = _load_prctl()
+PR_SET_PDEATHSIG = 1
+
+
+def die_with(parent: int) -> None:
+    """In a child of ``parent``: receive SIGKILL when ``parent`` dies (Linux); exit at once if
+    it already has. A worker's start (a new process's, or one forked by the template), and the
+    template's own."""
+    if PRCTL is not None:
+        PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class Process(Protocol):
@@ -91,7 +97,7 @@ def popen(command: Sequence[str], env: Mapping[str, str], stdout: IO[bytes] | in
     return subprocess.Popen(
         command, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
         start_new_session=True,
-        preexec_fn=_death_signal_setter(),  # noqa: PLW1509 (only prctl; see _death_signal_setter)
+        preexec_fn=functools.partial(die_with, os.getpid()),  # noqa: PLW1509 (only prctl)
     )
 
 
