@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import json
 import os
 import signal
 import subprocess
-import time
 from typing import Any
 from _launcher import PYTHON
 from _waiting import eventually as wait_for  # noqa: F401 (re-exported to the tests)
@@ -46,31 +47,23 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def stop(node: Any, rdzv: Any, tries: int = 100) -> None:
+def stop(node: Any, rdzv: Any) -> None:
     """SIGSTOP an agent (``node``, a started process) at a moment it holds no lock on the file
     backend's store file: one stopped while it holds it stops every node until it resumes (as
-    ``flock`` does), where the test means the others to go on. Stopped, it is looked up in
-    ``/proc/locks``; if it held the lock it resumes, and is stopped again a moment later."""
-    inodes = {str(os.stat(path).st_ino) for path in glob.glob(os.path.join(rdzv.endpoint, "*.rdzv"))
-              } if rdzv.backend == "file" else set()
-    for _ in range(tries):
+    ``flock`` does), where the test means the others to go on. The test takes those locks
+    itself, stops the agent while it holds them, then lets them go."""
+    paths = glob.glob(os.path.join(rdzv.endpoint, "*.rdzv")) if rdzv.backend == "file" else []
+    with contextlib.ExitStack() as held:
+        for path in sorted(paths):
+            fd = os.open(path, os.O_RDONLY)
+            held.callback(os.close, fd)  # (closing it lets the lock go)
+            wait_for(lambda fd=fd: _locked(fd), JOIN, f"the lock of {path}")
         node.signal(signal.SIGSTOP)
-        if not any(_holder(line) == (str(node.pid), inode) for line in _locks()
-                   for inode in inodes):
-            return
-        node.signal(signal.SIGCONT)
-        time.sleep(0.01)
-    raise AssertionError(f"pid {node.pid} held the store file's lock at each of {tries} stops")
 
 
-def _locks() -> list[str]:
-    with open("/proc/locks") as handle:
-        return handle.read().splitlines()
-
-
-def _holder(line: str) -> tuple[str, str] | None:
-    """(pid, inode) of a lock held (not awaited: ``->``) in a line of ``/proc/locks``."""
-    fields = line.split()
-    if len(fields) < 6 or fields[1] == "->":
-        return None
-    return fields[4], fields[5].rsplit(":", 1)[-1]
+def _locked(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True

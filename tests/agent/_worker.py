@@ -1,9 +1,11 @@
 """A worker for the agent tests: records its env as JSON, then exits as the test asks.
 
-Usage: _worker.py OUT_DIR [--fail-rank R] [--until FILE] [--ignore-term] [--sleep S]
-Writes OUT_DIR/<RANK>-<pid>.json with the worker env, then: rank R raises (recorded with
-``rdzv.agent.record``); with --until it runs until FILE exists (at most 120 s); with
---ignore-term it ignores SIGTERM.
+Usage: _worker.py OUT_DIR [--fail-rank R [--fail-when FILE]] [--until FILE] [--ignore-term]
+[--sleep S]
+Writes OUT_DIR/<RANK>-<pid>.json with the worker env, then runs for S seconds (default 0), or
+with --until until FILE exists (at most 300 s). Rank R raises (recorded with
+``rdzv.agent.record``): at once, or with --fail-when once that file exists (it takes it away).
+With --ignore-term it ignores SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ NAMES = (
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
 )
-MAX_RUN = 120.0
+MAX_RUN = 300.0
 
 
 @record
@@ -30,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--fail-rank", type=int, default=None)
+    parser.add_argument("--fail-when", default=None)
     parser.add_argument("--until", default=None)
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
@@ -43,13 +46,28 @@ def main() -> None:
         json.dump(env, handle)
     os.replace(path + ".tmp", path)
     print(f"worker rank {env['RANK']} started", flush=True)
-    time.sleep(args.sleep)
-    if args.fail_rank is not None and int(env["RANK"]) == args.fail_rank:
-        raise ValueError(f"rank {args.fail_rank} fails on purpose")
-    deadline = time.monotonic() + MAX_RUN
-    while args.until and not os.path.exists(args.until) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    deadline = time.monotonic() + (MAX_RUN if args.until else args.sleep)
+    while True:
+        if fails(args, int(env["RANK"])):
+            raise ValueError(f"rank {args.fail_rank} fails on purpose\nsecond line")
+        left = deadline - time.monotonic()
+        if left <= 0 or (args.until and os.path.exists(args.until)):
+            return
+        time.sleep(min(0.05, left))
 
+
+def fails(args: argparse.Namespace, rank: int) -> bool:
+    """Whether this rank fails now: the rank asked, at once or once the --fail-when file exists
+    (taken away: the restarted worker runs on)."""
+    if args.fail_rank != rank:
+        return False
+    if args.fail_when is None:
+        return True
+    try:
+        os.remove(args.fail_when)
+    except FileNotFoundError:
+        return False
+    return True
 
 if __name__ == "__main__":
     main()

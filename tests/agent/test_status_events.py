@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from _agents import JOIN, rdzv_cli, wait_for
+from _agents import JOIN, WORKER, rdzv_cli, wait_for
 from _launcher import PYTHON, RDZV_RUN, Launcher, free_port
 
 from rdzv.rendezvous import RunEvent, read_events
@@ -28,23 +28,6 @@ from etcd_testing import etcd_params, require_etcd  # noqa: E402
 from rdzv.etcd import LocalEtcd  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)  # real processes: slow on a loaded machine
-
-WORKER = """\
-import os, sys, time
-from rdzv.agent import record
-
-@record
-def main():
-    out, rank = sys.argv[1], os.environ["RANK"]
-    deadline = time.monotonic() + 300
-    while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
-        if os.path.exists(os.path.join(out, f"fail-rank-{rank}")):
-            os.remove(os.path.join(out, f"fail-rank-{rank}"))
-            raise ValueError(f"rank {rank} fails on purpose\\nsecond line")
-        time.sleep(0.05)
-
-main()
-"""
 
 SETTINGS = "last_call_timeout=1,heartbeat_interval=1,heartbeat_misses=5"
 """A 5 s session ttl: a loaded machine does not stall a live agent that long; a SIGKILLed node
@@ -96,14 +79,13 @@ def test_history_of_joins_a_leave_a_failure_and_a_loss(backend: Any, tmp_path: P
     name, endpoint, conf = backend
     out = tmp_path / "out"
     out.mkdir()
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
     args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
             "--rdzv-backend", name, "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
             "--rdzv-conf", SETTINGS + conf, "--local-addr", "127.0.0.1",
             "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "5",
             "--worker-connect-timeout", "1",  # (the worker does not use the in-process API)
-            "--no-python", PYTHON, str(worker), str(out)]
+            "--no-python", PYTHON, WORKER, str(out), "--until", str(out / "stop"),
+            "--fail-rank", "1", "--fail-when", str(out / "fail-rank-1")]
     agents = Launcher(tmp_path, "agent")
     args = [*RDZV_RUN, *args]
     history = events_of(backend)

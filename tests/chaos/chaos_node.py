@@ -192,15 +192,16 @@ class Node:
         except Exception as exc2:  # the store may be away: the new handler will tell
             self.history.record("error", type=type(exc2).__name__, expected=True,
                                 message=f"shutdown after an error: {exc2}"[:300])
-        time.sleep(REJOIN_PAUSE)
+        pause = REJOIN_PAUSE
         while time.time() < self.deadline:
+            time.sleep(pause)
             try:
                 self.handler = rendezvous.get_rendezvous_handler(self.spec["url"])
                 return
             except EXPECTED as exc3:
                 self.history.record("error", type=type(exc3).__name__, expected=True,
                                     message=f"reconnecting: {exc3}"[:300])
-                time.sleep(1.0)
+                pause = 1.0
 
 
 def main() -> int:

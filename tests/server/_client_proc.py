@@ -3,7 +3,7 @@
 Modes (each prints what it did, one line at a time, flushed):
 
 * ``ephemeral PORT TTL KEY``: sets KEY ephemerally (flushed), prints ``ready <session id>``, then
-  sleeps until killed.
+  holds its session until it is killed or its input closes (its test ended).
 * ``writer PORT COUNT``: sets ``w/<i>`` for i in 0..COUNT-1 (pipelined), and after every 10th
   prints ``ack <i> <time.monotonic()>`` once ``flush()`` confirmed every set up to it; then
   ``done``; carries on across a server restart.
@@ -32,8 +32,7 @@ def ephemeral(port: int, ttl: float, key: str) -> None:
     store.set(key, "alive", ephemeral=True)
     store.flush()
     say(f"ready {store.session_id}")
-    while True:
-        time.sleep(3600)
+    sys.stdin.read()
 
 
 def writer(port: int, count: int) -> None:

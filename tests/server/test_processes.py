@@ -27,6 +27,7 @@ class Child:
     def __init__(self, *args: object) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "_client_proc.py"), *map(str, args)],
+            stdin=subprocess.PIPE,  # (closed when the test ends: the child ends too)
             stdout=subprocess.PIPE,
             text=True,
             env=python_env(),
@@ -54,6 +55,8 @@ class Child:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
         self.proc.wait()
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
 
 
 def test_ephemeral_keys_of_a_sigkilled_client_go_at_once(server: StoreServer, store: TCPStore) -> None:

@@ -14,6 +14,7 @@ import atexit
 import errno
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -28,8 +29,8 @@ _lock = threading.Lock()
 
 
 class ForkedProcess:
-    """A peer forked by the warm process (not a child of this one: its exit is seen by its pid
-    vanishing, its code is not known)."""
+    """A peer forked by the warm process (not a child of this one: its exit is seen on a pidfd,
+    its code is not known)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         module = spec["factory"].partition(":")[0]
@@ -43,6 +44,7 @@ class ForkedProcess:
             server.stdin.write(json.dumps({"spec": spec, "in": paths[0], "out": paths[1]}) + "\n")
             server.stdin.flush()
             self.pid = int(json.loads(server.stdout.readline())["pid"])
+        self._pidfd: int | None = _pidfd(self.pid)
         # (the peer opens them in this order too: once it reads, it opens its output at once)
         self.stdin = _writer(paths[0], self.pid)
         self.stdout = open(paths[1])  # noqa: SIM115 (closed by the peer's owner)
@@ -52,17 +54,17 @@ class ForkedProcess:
 
     def poll(self) -> int | None:
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return 0
-        return None
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+        if self._pidfd is not None:  # readable once the peer has ended
+            ready, _, _ = select.select([self._pidfd], [], [], timeout)
+            if not ready:
                 raise subprocess.TimeoutExpired(f"peer {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
+            os.close(self._pidfd)
+            self._pidfd = None
         return 0
 
     def send_signal(self, signum: int) -> None:
@@ -73,6 +75,14 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor of the peer that no later process can reuse (None: it has already ended)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _writer(path: str, pid: int, within: float = 60.0) -> TextIO:

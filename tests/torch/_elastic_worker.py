@@ -82,12 +82,13 @@ def main() -> None:
             if state.rank == 0:
                 print(f"step {step + 1} world_size {state.world_size} sum {int(total.item())} "
                       f"pid {os.getpid()}", flush=True)
+            pause = args.step_sleep  # the step's own work
             if (args.stall_file and not stalled and state.rank == args.stall_rank
                     and os.path.exists(args.stall_file)):
                 stalled = True
                 print(f"rank {state.rank} stalls for {args.stall_seconds} s", flush=True)
-                time.sleep(args.stall_seconds)
-            time.sleep(args.step_sleep)
+                pause += args.stall_seconds
+            time.sleep(pause)
             if step + 1 == args.outside_at:
                 with state.outside_steps():
                     time.sleep(args.outside_seconds)

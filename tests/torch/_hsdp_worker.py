@@ -74,11 +74,12 @@ def main() -> None:
             if state.rank == 0:
                 print(f"step {step + 1} world_size {state.world_size} pid {os.getpid()}",
                       flush=True)
+            pause = args.step_sleep  # the step's own work
             if local_rank == 0 and args.slow_file and os.path.exists(args.slow_file):
                 print(f"rank {state.rank} sleeps {args.slow_seconds} s after step {step + 1}",
                       flush=True)
-                time.sleep(args.slow_seconds)
-            time.sleep(args.step_sleep)
+                pause += args.slow_seconds
+            time.sleep(pause)
 
     finish(state, train, check)
 
