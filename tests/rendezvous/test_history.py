@@ -518,6 +518,22 @@ def test_a_follower_gets_a_write_that_lands_late(server: Any) -> None:
     store.close()
 
 
+def test_a_deferred_event_is_checked_when_written_and_only_it_is_dropped(
+    server: Any, caplog: Any
+) -> None:
+    store = client(server)
+    writer = EventWriter(store, "job", tag="t")
+    assert writer.record("node_waiting", node="a", defer=True) is not None
+    assert writer.record("node_lost", silent_s=float("nan"), defer=True) is not None
+    assert writer.dropped == 0  # (not encoded while the node joins its round)
+    writer.release()
+    assert writer.flush(10) and writer.dropped == 1
+    assert [e.kind for e in read_events(store, "job").events] == ["node_waiting"]
+    assert "event 'node_lost' not recorded" in caplog.text
+    writer.close(5)
+    store.close()
+
+
 def test_the_writer_drops_what_it_cannot_record_and_lives_on(server: Any, caplog: Any) -> None:
     store = client(server)
     opened: list[int] = []

@@ -39,7 +39,7 @@ from typing import Any, Callable, Union
 from ..errors import RendezvousStateError
 from ..store import Store
 from ._history_bounds import DEFAULT_HISTORY_SIZE, MAX_EVENT_BYTES, capped_limit, prune
-from ._layout import RunKeys
+from ._layout import RunKeys, compact_json
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,16 @@ def new_event(kind: str, *, round: int | None = None, node: str | None = None,
 def encode_event(event: RunEvent) -> bytes:
     """The record of ``event``; ValueError (NaN, infinity) or TypeError (not JSON) if a value
     cannot be one."""
-    return json.dumps({"v": HISTORY_VERSION, "t": "event", **event.to_json()},
-                      separators=(",", ":"), allow_nan=False).encode()
+    return compact_json({"v": HISTORY_VERSION, "t": "event", **event.to_json()}, finite=True)
+
+
+def event_record(event: RunEvent) -> bytes:
+    """:func:`encode_event`, and ValueError if the record is longer than an event may be."""
+    record = encode_event(event)
+    if len(record) > MAX_EVENT_BYTES:
+        raise ValueError(f"its record would take {len(record)} bytes, over the "
+                         f"{MAX_EVENT_BYTES} an event may")
+    return record
 
 
 def _no_constant(name: str) -> Any:
@@ -307,21 +315,17 @@ class EventWriter:
 
         ``defer``: keep it queued until :meth:`release` or the next event not deferred (a node
         joining a round records its arrival so, and releases it once the round is formed: no
-        thread, connection or write competes with the round). An event is stamped (its
-        ``seq``) when it is written; its ``time`` is when it happened."""
+        thread, connection, write or encoding competes with the round; a deferred event that
+        cannot be a record is dropped when it is written). An event is stamped (its ``seq``)
+        when it is written; its ``time`` is when it happened."""
         if self._limit <= 0:
             return None
         try:
             event = new_event(kind, round=round, node=node, at=at, **fields)
-            size = len(encode_event(event))
-            if size > MAX_EVENT_BYTES:
-                raise ValueError(f"its record would take {size} bytes, over the "
-                                 f"{MAX_EVENT_BYTES} an event may")
+            if not defer:
+                event_record(event)
         except (TypeError, ValueError) as exc:  # an unknown kind, a value that is not JSON
-            logger.warning("history of %s: event %r not recorded: %s", self._keys.run_id,
-                           kind, exc)
-            with self._cond:
-                self.dropped += 1
+            self._drop(kind, exc)
             return None
         with self._cond:
             if self._closed:
@@ -335,6 +339,11 @@ class EventWriter:
                 self._held = True
             self._pending.append(event)
         return event
+
+    def _drop(self, kind: str, exc: Exception) -> None:
+        logger.warning("history of %s: event %r not recorded: %s", self._keys.run_id, kind, exc)
+        with self._cond:
+            self.dropped += 1
 
     def release(self) -> None:
         """Write the deferred events (in the background)."""
@@ -390,20 +399,32 @@ class EventWriter:
 
     def _write(self, batch: list[RunEvent]) -> None:
         """Write ``batch``, then prune; an error of either is logged (the thread lives on)."""
+        keys: list[str] = []
+        records: list[bytes] = []
+        invalid = 0
         try:
             store = self._store()
-            # Stamped right before the write: seq tells the order the writes reached the store.
-            batch = [replace(event, seq=_clock.stamp()) for event in batch]
-            store.multi_set([event_key(self._keys, event, self._tag) for event in batch],
-                            [encode_event(event) for event in batch])
+            for event in batch:
+                # Stamped right before the write: seq tells the order the writes reached the store.
+                stamped = replace(event, seq=_clock.stamp())
+                try:
+                    records.append(event_record(stamped))
+                except (TypeError, ValueError) as exc:  # (a deferred one, not checked before)
+                    self._drop(event.kind, exc)
+                    invalid += 1
+                    continue
+                keys.append(event_key(self._keys, stamped, self._tag))
+            if keys:
+                store.multi_set(keys, records)
             self._failures = 0
         except Exception as exc:  # a store error (or a bug): never the thread's end
-            self.dropped += len(batch)
+            lost = len(batch) - invalid
+            self.dropped += lost
             self._failures += 1
             # The first failure in a row is worth a warning; the store may stay gone a while.
             log = logger.warning if self._failures == 1 else logger.debug
             log("history of %s: %d event(s) not recorded: %s: %s", self._keys.run_id,
-                len(batch), type(exc).__name__, exc)
+                lost, type(exc).__name__, exc)
             return
         try:
             pruned = prune(store, events_dir(self._keys), self._keys.base + "history_prune",

@@ -22,7 +22,7 @@ from ._history import (
     round_event_key,
 )
 from ._history_bounds import MAX_EVENT_BYTES, MAX_LIST
-from ._layout import NodeDescriptor, RunKeys
+from ._layout import NodeDescriptor, RunKeys, compact_json
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def encode_left_mark(reason: str, **details: Any) -> bytes:
     """The value of a ``round/<r>/left/<id>`` mark: why that member is not coming back."""
     if reason not in _MARK_REASONS:
         raise ValueError(f"unknown leave reason {reason!r}; one of {sorted(_MARK_REASONS)}")
-    return json.dumps({"reason": reason, **details}, separators=(",", ":")).encode()
+    return compact_json({"reason": reason, **details})
 
 
 def decode_left_mark(raw: bytes) -> str:
