@@ -51,19 +51,37 @@ def stop(node: Any, rdzv: Any) -> None:
     """SIGSTOP an agent (``node``, a started process) at a moment it holds no lock on the file
     backend's store file: one stopped while it holds it stops every node until it resumes (as
     ``flock`` does), where the test means the others to go on. The test takes those locks
-    itself, stops the agent while it holds them, then lets them go."""
+    itself, stops the agent while it holds them (until every thread of it has stopped: the
+    signal stops them one by one), then lets them go."""
     paths = glob.glob(os.path.join(rdzv.endpoint, "*.rdzv")) if rdzv.backend == "file" else []
     with contextlib.ExitStack() as held:
         for path in sorted(paths):
-            fd = os.open(path, os.O_RDONLY)
-            held.callback(os.close, fd)  # (closing it lets the lock go)
-            wait_for(lambda fd=fd: _locked(fd), JOIN, f"the lock of {path}")
+            wait_for(lambda path=path: _lock(path, held), JOIN, f"the lock of {path}")
         node.signal(signal.SIGSTOP)
+        wait_for(lambda: _stopped(node.pid), JOIN, f"every thread of pid {node.pid} stopped")
 
 
-def _locked(fd: int) -> bool:
+def _lock(path: str, held: contextlib.ExitStack) -> bool:
+    """Whether this process now holds the lock of the store file at ``path`` (the file there
+    now: a compaction replaces it by another), kept until ``held`` closes."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+            held.callback(os.close, fd)  # (closing it lets the lock go)
+            return True
     except BlockingIOError:
-        return False
+        pass
+    os.close(fd)
+    return False
+
+
+def _stopped(pid: int) -> bool:
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            with open(stat) as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                    return False
+        except OSError:  # a thread that ended meanwhile
+            pass
     return True

@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
     args = parser.parse_args()
+    if args.fail_when is not None and args.fail_rank is None:
+        parser.error("--fail-when needs --fail-rank")
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     env = {name: os.environ.get(name) for name in NAMES}
@@ -68,6 +70,7 @@ def fails(args: argparse.Namespace, rank: int) -> bool:
     except FileNotFoundError:
         return False
     return True
+
 
 if __name__ == "__main__":
     main()

@@ -46,7 +46,12 @@ class ForkedProcess:
             self.pid = int(json.loads(server.stdout.readline())["pid"])
         self._pidfd: int | None = _pidfd(self.pid)
         # (the peer opens them in this order too: once it reads, it opens its output at once)
-        self.stdin = _writer(paths[0], self.pid)
+        try:
+            self.stdin = _writer(paths[0], self.pid)
+        except BaseException:
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+            raise
         self.stdout = open(paths[1])  # noqa: SIM115 (closed by the peer's owner)
         for path in paths:
             os.unlink(path)

@@ -414,12 +414,14 @@ class EventWriter:
                     invalid += 1
                     continue
                 keys.append(event_key(self._keys, stamped, self._tag))
-            if keys:
-                store.multi_set(keys, records)
+            if not keys:
+                return
+            store.multi_set(keys, records)
             self._failures = 0
         except Exception as exc:  # a store error (or a bug): never the thread's end
             lost = len(batch) - invalid
-            self.dropped += lost
+            with self._cond:
+                self.dropped += lost
             self._failures += 1
             # The first failure in a row is worth a warning; the store may stay gone a while.
             log = logger.warning if self._failures == 1 else logger.debug
