@@ -70,17 +70,19 @@ def _lock(path: str, held: contextlib.ExitStack) -> bool:
         if os.path.samestat(os.fstat(fd), os.stat(path)):
             held.callback(os.close, fd)  # (closing it lets the lock go)
             return True
-    except BlockingIOError:
+    except (BlockingIOError, FileNotFoundError):  # held, or replaced as it was looked at
         pass
     os.close(fd)
     return False
 
 
 def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (or gone: a process that died is no longer
+    waited for; the test sees that on its own)."""
     for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
         try:
             with open(stat) as handle:
-                if handle.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                if handle.read().rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
                     return False
         except OSError:  # a thread that ended meanwhile
             pass
