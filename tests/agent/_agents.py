@@ -40,11 +40,16 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:  # a zombie (not yet reaped by init) counts as dead
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return _state(f"/proc/{pid}/stat") not in ("Z", None)  # a zombie (not yet reaped) is dead
+
+
+def _state(stat: str) -> str | None:
+    """The state letter in a ``/proc/.../stat`` file; None if it cannot be read (gone)."""
+    try:
+        with open(stat) as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return True
+        return None
 
 
 def stop(node: Any, rdzv: Any) -> None:
@@ -79,11 +84,5 @@ def _lock(path: str, held: contextlib.ExitStack) -> bool:
 def _stopped(pid: int) -> bool:
     """Whether every thread of ``pid`` is stopped (or gone: a process that died is no longer
     waited for; the test sees that on its own)."""
-    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
-        try:
-            with open(stat) as handle:
-                if handle.read().rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
-                    return False
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return True
+    return all(_state(stat) in ("T", "t", "Z", "X", None)  # (None: a thread that ended)
+               for stat in glob.glob(f"/proc/{pid}/task/*/stat"))

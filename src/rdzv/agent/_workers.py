@@ -11,8 +11,8 @@ the file and, prefixed with ``[<global rank>]:``, to the agent's own stream.
 from __future__ import annotations
 
 import contextlib
-import functools
 import ctypes
+import functools
 import logging
 import os
 import queue
