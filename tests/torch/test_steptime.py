@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from rdzv.torch._steptime import StepTimer
+from rdzv.torch._group import ABORT_GRACE
+from rdzv.torch._steptime import STEP_OUTLIER, StepTimer, mean_step
 
 WAIT = 0.6
 WORK = 0.2
@@ -80,3 +81,27 @@ def test_where_the_training_thread_is(wait: float, work: float, waiting: bool) -
     probe.join()
     assert seen and seen[0][0] is waiting, seen
     assert "test_steptime.py" in seen[0][1] and "in train_step" in seen[0][1], seen
+
+
+@pytest.mark.parametrize(("mean", "elapsed", "expected"), [
+    (None, 0.05, 0.05),                     # the first step is the mean
+    (0.05, 0.05, 0.05),
+    (0.05, 0.10, 0.06),                     # a moving average
+    (0.05, 6.00, 0.05 * (0.8 + 0.2 * STEP_OUTLIER)),  # a step spanning a 6 s SIGSTOP: capped
+])
+def test_the_mean_step_time(mean: float | None, elapsed: float, expected: float) -> None:
+    assert mean_step(mean, elapsed) == pytest.approx(expected)
+
+
+def test_a_step_spanning_a_stop_does_not_lengthen_the_next_aborts_grace() -> None:
+    """Seen in the training chaos soak: steps of 0.06 s, then one of 5.9 s (the node was
+    SIGSTOPped): the mean rose to 1.2 s, and the abort that followed waited 3 means, 3.7 s,
+    before it ended a worker stuck in gloo. Capped, the grace is the floor again."""
+    mean: float | None = None
+    for _ in range(20):
+        mean = mean_step(mean, 0.06)
+    mean = mean_step(mean, 5.9)
+    assert mean is not None and max(ABORT_GRACE, 3 * mean) == ABORT_GRACE
+    for _ in range(10):  # a real slow-down (10x) shows within a few steps all the same
+        mean = mean_step(mean, 0.6)
+    assert mean > 0.3

@@ -62,7 +62,7 @@ from ._group import (
     provisional,
 )
 from ._statesync import encode_tree, receive_state, send_state
-from ._steptime import StepTimer
+from ._steptime import StepTimer, mean_step
 
 if TYPE_CHECKING:
     from ._sharded import Sharded
@@ -244,9 +244,7 @@ class ElasticState:
         self.step += 1
         now = time.perf_counter()
         if self._last is not None:
-            elapsed = now - self._last
-            self._step_time = elapsed if self._step_time is None else (
-                0.8 * self._step_time + 0.2 * elapsed)
+            self._step_time = mean_step(self._step_time, now - self._last)
         link = self._link
         if link is None:
             self._last = now

@@ -34,6 +34,21 @@ LIBRARIES = ("torch", "rdzv")
 _STDLIB = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
 
 
+STEP_OUTLIER = 4.0
+"""The most one step counts for in the mean step time, in means (see :func:`mean_step`)."""
+
+
+def mean_step(mean: float | None, elapsed: float) -> float:
+    """The recent mean step time after a step of ``elapsed`` seconds (a moving average). A
+    step longer than ``STEP_OUTLIER`` means counts as that many: one that spans a pause of the
+    whole process (SIGSTOP, a suspended machine) is no step time. (In the training chaos soak
+    such a step raised the mean to 1.2 s, and with it an abort's grace, three steps, to 3.7 s:
+    docs/train-chaos.md.) A real slow-down still shows within a few steps."""
+    if mean is None:
+        return elapsed
+    return 0.8 * mean + 0.2 * min(elapsed, STEP_OUTLIER * mean)
+
+
 class StepTimer:
     """Stamps each step's gradients and optimizer step; sums compute and wait per report."""
 
