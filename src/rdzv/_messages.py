@@ -149,6 +149,16 @@ class Entered:
 
 
 @dataclass(frozen=True)
+class Moving:
+    """The training thread took the plan of ``round``: it is out of its old group's
+    collectives, an aborted group's too (its agent stops counting it as possibly stuck there,
+    ``agent/_moves.abort_bound``)."""
+
+    round: int
+    TYPE: ClassVar[str] = "moving"
+
+
+@dataclass(frozen=True)
 class Left:
     step: int
     TYPE: ClassVar[str] = "left"
@@ -179,10 +189,10 @@ class Closed:
 
 
 ToWorker = Union[Plan, Abort, Stop, Probe]
-ToAgent = Union[Hello, Progress, Where, Broken, Entered, Left, Failed, Term, Shards]
+ToAgent = Union[Hello, Progress, Where, Broken, Moving, Entered, Left, Failed, Term, Shards]
 TO_WORKER: dict[str, type] = {cls.TYPE: cls for cls in (Plan, Abort, Stop, Probe)}
-TO_AGENT: dict[str, type] = {cls.TYPE: cls for cls in (Hello, Progress, Where, Broken, Entered,
-                                                      Left, Failed, Term, Shards)}
+TO_AGENT: dict[str, type] = {cls.TYPE: cls for cls in (Hello, Progress, Where, Broken, Moving,
+                                                      Entered, Left, Failed, Term, Shards)}
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "int | None": (int, type(None)), "float": (int, float),
     "float | None": (int, float, type(None)), "str": (str,), "bool": (bool,),

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rdzv._messages import Broken, Entered, Hello, Left, Progress, Shards, Term
+from rdzv._messages import Broken, Entered, Hello, Left, Moving, Progress, Shards, Term
 from rdzv.agent._protocol import (
     Abandoned,
     AllFinished,
@@ -36,7 +36,7 @@ from rdzv.agent._protocol import (
     Worker,
 )
 from rdzv.agent._records import Assignment, Decision, Kind, SlotState
-from rdzv.agent._moves import MAX_FAILED_TRANSITIONS
+from rdzv.agent._moves import ABORT_CONFIRM, MAX_FAILED_TRANSITIONS
 from rdzv.agent._rules import step
 
 RULES = Rules(nproc=1, max_restarts=3, switch_timeout=60.0, leave_grace=30.0, min_nodes=1)
@@ -344,7 +344,7 @@ ROWS = [
     ("no decision in time: cancel the round", replace(awaiting(), deadline=NOW - 1), Tick(),
      Phase.AWAITING, ["cancel"]),
     ("the workers did not enter in time: abandon, recover",
-     replace(entering(), deadline=NOW - 1), Tick(), Phase.FORMING,
+     replace(entering(), entering_since=NOW - 61, deadline=NOW - 1), Tick(), Phase.FORMING,
      ["abort", "abandon", "join"]),
     ("workers that never connect do not use the API: the record says so",
      replace(running(), phase=Phase.SETTLING, gen=4, slots=(Slot(Worker.STARTING),),
@@ -677,3 +677,110 @@ def test_under_restart_on_change_a_round_does_not_wait_for_workers_still_startin
         assert step(known, Tick(), NOW + 1, rules) == (known, [])
         ended, acts = step(known, Exited(0, -signal.SIGTERM), NOW + 1, rules)
         assert ended.leave is None and ended.restart_why == "local rank 0 ended with signal SIGTERM"
+
+
+def stuck_after_expiry(nproc: int = 1) -> Node:
+    """The seed-13 overlap of the training chaos soak (docs/train-chaos.md): this node was
+    SIGSTOPped in a collective, its session expired, and back under a new one it is in a
+    recovery whose group its worker must enter; but the worker still waits in the aborted
+    group's collective (gloo can wait on a closed peer) and shows nothing."""
+    node, acts = step(running(nproc=nproc), Expired("session gone"), NOW, RULES)
+    assert "abort" in whats(acts) and node.slots[0].aborted_at == NOW
+    node, _ = step(node, Formed(4, 1, 3), NOW + 0.1, RULES)
+    assert [s.report(True) for s in node.slots] == [SlotState.BROKEN] * nproc  # (may be fine)
+    node, _ = step(node, Decided(4, decided(Kind.RECOVER)), NOW + 0.1, RULES)
+    node, acts = step(node, Assigned(4, assignment(local_ranks=tuple(range(nproc)))), NOW + 0.1,
+                      RULES)
+    assert node.phase is Phase.ENTERING and "plans" in whats(acts)
+    assert node.deadline == NOW + ABORT_CONFIRM  # (not --switch-timeout, 60 s)
+    return node
+
+
+def test_a_worker_stuck_in_an_aborted_group_is_left_out_of_the_next_one_at_once() -> None:
+    node = stuck_after_expiry()
+    same, acts = step(node, Tick(), NOW + ABORT_CONFIRM - 0.01, RULES)
+    assert same.phase is Phase.ENTERING and acts == []
+    node, acts = step(node, Tick(), NOW + ABORT_CONFIRM, RULES)
+    assert node.phase is Phase.FORMING and whats(acts) == ["abort", "abandon", "join"]
+    assert "local rank(s) 0 did not leave the aborted group in time" in acts[0].args[0]
+    # the next round forms without it (the others recover at once, not after its watch's 3 s)
+    assert [s.report(True) for s in node.slots] == [SlotState.ABSENT]
+    node, _ = step(node, Formed(5, 1, 3), NOW + 1.1, RULES)
+    node, _ = step(node, Decided(5, decided(Kind.RECOVER)), NOW + 1.1, RULES)
+    node, acts = step(node, Assigned(5, assignment(local_ranks=())), NOW + 1.1, RULES)
+    assert node.phase is Phase.RUNNING and node.group is None
+    left_out = node
+    # its watch ends it: it restarts alone and joins once warm, like any crashed worker
+    node, acts = step(left_out, Exited(0, -signal.SIGKILL), NOW + 3.0, RULES)
+    assert node.slots[0] == Slot(Worker.STARTING, join=True, batch=node.slots[0].batch)
+    assert "restarting it alone" in acts[0].args[0] and "replace" in whats(acts)
+    # or it comes out of the collective after all: it holds its state again, and a round
+    # brings it back (a recovery: the others' state is ahead of its own)
+    node, acts = step(left_out, worker(Broken(40)), NOW + 2.0, RULES)
+    assert node.slots[0].report(True) is SlotState.BROKEN and not node.slots[0].stuck
+    assert node.phase is Phase.FORMING and whats(acts) == ["join"]
+
+
+def test_a_worker_that_shows_it_left_the_aborted_group_is_waited_for() -> None:
+    node = stuck_after_expiry()
+    for shown in (Moving(4), Broken(40)):  # it took its plan; its collective failed
+        moved, acts = step(node, worker(shown), NOW + 0.5, RULES)
+        assert moved.slots[0].aborted_at is None and not whats(acts)
+        moved, acts = step(moved, Tick(), NOW + ABORT_CONFIRM, RULES)
+        assert moved.phase is Phase.ENTERING and acts == []  # it may create the group slowly
+        assert moved.deadline == NOW + 0.1 + RULES.switch_timeout
+    # a worker with slow steps has three of them
+    slow = replace(node, slots=(replace(node.slots[0], longest=2.0),))
+    moved, acts = step(slow, Tick(), NOW + ABORT_CONFIRM, RULES)
+    assert moved.phase is Phase.ENTERING and moved.deadline == NOW + 6.0
+    # the workers of a sharded model are never left out alone (they restart together)
+    whole = replace(node, sharded=True)
+    moved, acts = step(whole, Tick(), NOW + ABORT_CONFIRM, RULES)
+    assert moved.phase is Phase.ENTERING and moved.deadline == NOW + 0.1 + RULES.switch_timeout
+
+
+def test_a_recovery_aborts_the_running_workers_and_bounds_their_wait_likewise() -> None:
+    node = replace(awaiting(), decision=decided(Kind.RECOVER))
+    node, acts = step(node, Assigned(4, assignment()), NOW, RULES)
+    assert whats(acts) == ["abort", "plans"] and node.slots[0].aborted_at == NOW
+    assert node.deadline == NOW + ABORT_CONFIRM
+    # a planned switch aborts nothing: no bound
+    node, acts = step(replace(awaiting(), decision=decided(Kind.SWITCH)),
+                      Assigned(4, assignment()), NOW, RULES)
+    assert node.slots[0].aborted_at is None and node.deadline == NOW + RULES.switch_timeout
+
+
+def test_a_worker_left_out_that_shows_while_the_next_round_forms_is_brought_back() -> None:
+    node, _ = step(stuck_after_expiry(), Tick(), NOW + ABORT_CONFIRM, RULES)
+    node, _ = step(node, Formed(5, 1, 3), NOW + 1.6, RULES)
+    assert node.phase is Phase.AWAITING and node.record_final  # (it reports the worker absent)
+    node, acts = step(node, worker(Broken(40)), NOW + 2.0, RULES)  # out of the collective now
+    assert node.phase is Phase.AWAITING and not whats(acts)
+    node, _ = step(node, Decided(5, decided(Kind.RECOVER)), NOW + 2.0, RULES)
+    node, acts = step(node, Assigned(5, assignment(local_ranks=())), NOW + 2.0, RULES)
+    assert node.phase is Phase.FORMING and whats(acts)[-1] == "join"  # not stranded outside
+    assert any("bringing it back in" in a.args[0] for a in acts if a.what == "say")
+    assert [s.report(True) for s in node.slots] == [SlotState.BROKEN]  # a holder again
+
+
+def test_the_end_of_a_worker_left_out_changes_no_round() -> None:
+    """Two workers: local rank 0 stuck, 1 showed it left. The next round's group is entered
+    by 1 alone when 0's watch ends it: 0 restarts alone; the round goes on, and counts no
+    failed transition."""
+    node = stuck_after_expiry(nproc=2)
+    node, _ = step(node, worker(Moving(4), local_rank=1), NOW + 0.5, RULES)
+    node, _ = step(node, worker(Moving(3), local_rank=0), NOW + 0.5, RULES)  # another round's
+    assert [s.aborted_at for s in node.slots] == [NOW, None]
+    node, _ = step(node, Tick(), NOW + ABORT_CONFIRM, RULES)
+    assert [s.report(True) for s in node.slots] == [SlotState.ABSENT, SlotState.BROKEN]
+    failed = node.failed_transitions
+    node, _ = step(node, Formed(5, 1, 3), NOW + 1.6, RULES)
+    node, _ = step(node, Decided(5, decided(Kind.RECOVER)), NOW + 1.6, RULES)
+    node, _ = step(node, Assigned(5, assignment(local_ranks=(1,))), NOW + 1.6, RULES)
+    assert node.phase is Phase.ENTERING
+    node, acts = step(node, Exited(0, -signal.SIGKILL), NOW + 3.0, RULES)
+    assert node.phase is Phase.ENTERING and whats(acts) == ["replace"]
+    assert node.failed_transitions == failed
+    node, acts = step(node, worker(Entered(5, 10.0, 41), local_rank=1), NOW + 3.1, RULES)
+    assert node.phase is Phase.RUNNING and node.group is not None
+    assert node.group.local_ranks == (1,) and node.slots[0].state is Worker.STARTING

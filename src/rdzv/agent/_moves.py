@@ -17,6 +17,7 @@ from ._protocol import (
     Result,
     Rules,
     Signalled,
+    Slot,
     Worker,
     act,
 )
@@ -26,6 +27,9 @@ MAX_FAILED_TRANSITIONS = 3
 """Transitions in a row that could not complete, or whose group failed before a step in it,
 before the workers restart instead (a worker that fails every group it enters, a deterministic
 error taken for a lost peer)."""
+ABORT_CONFIRM = 1.5
+"""Seconds a worker has, at least, to show that it left the group its agent aborted (see
+:func:`abort_bound`): half its own watch's grace (``rdzv.torch._group.ABORT_GRACE``)."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
@@ -58,18 +62,45 @@ def join(node: Node, *before: Act) -> Result:
             [*before, act("join")])
 
 
-def aborted(node: Node) -> Node:
+def aborting(node: Node, now: float) -> Node:
+    """The workers in the group are told to abort it at ``now``: each has its
+    :func:`abort_bound` to show that it left it."""
+    return replace(node, slots=tuple(
+        replace(s, aborted_at=now if s.aborted_at is None else s.aborted_at)
+        if s.state in (Worker.RUNNING, Worker.ENTERED) else s for s in node.slots))
+
+
+def aborted(node: Node, now: float) -> Node:
     """The workers' group is being aborted: those in it report broken (at their last step)."""
     return replace(node, slots=tuple(
         replace(s, state=Worker.BROKEN) if s.state in (Worker.RUNNING, Worker.ENTERED) else s
-        for s in node.slots))
+        for s in aborting(node, now).slots))
 
 
-def abandon(node: Node, why: str) -> Result:
+def abort_bound(slot: Slot) -> float:
+    """Seconds worker ``slot`` has to show that it left an aborted group: three of its slowest
+    steps, at least :data:`ABORT_CONFIRM`. (Its own abort watch waits three steps, at least
+    3 s, before it ends itself; until then a worker stuck in the aborted group's collective
+    would hold up every new group it is counted in. Left out, it costs the others a round.)"""
+    return max(ABORT_CONFIRM, 3 * slot.longest)
+
+
+def stuck_in_abort(node: Node, now: float) -> list[int]:
+    """The local ranks, in the group being entered, of the workers that did not show within
+    their :func:`abort_bound` that they left the aborted group. None for a sharded model (a
+    worker holds a part that its node's others lack: a stuck one ends and they all restart)."""
+    mine = node.assignment
+    if node.sharded or mine is None:
+        return []
+    return [lr for lr in mine.local_ranks if (slot := node.slots[lr]).aborted_at is not None
+            and now >= slot.aborted_at + abort_bound(slot)]
+
+
+def abandon(node: Node, why: str, now: float) -> Result:
     """Leave a decided round whose group cannot form: abort the workers' group, mark the round
     abandoned (the others see it at once) and join the next round, as a recovery. Transitions
     that keep failing end in a restart of every worker (counted)."""
-    node = failed_transition(aborted(node), f"could not complete (the last: {why})")
+    node = failed_transition(aborted(node, now), f"could not complete (the last: {why})")
     return join(node, say(f"{why}: aborting the workers' group and forming the next round"),
                 act("abort"), act("abandon"))
 
@@ -113,6 +144,17 @@ def finished(node: Node, now: float, *before: Act) -> Result:
         *before, act("done")]
 
 
+BACK_IN = "a worker left out of the group has left the aborted one: bringing it back in"
+
+
+def left_out(node: Node) -> list[int]:
+    """Workers that hold their state outside the node's group: left out of it as stuck in an
+    aborted group (:func:`stuck_in_abort`), they reported since that they left that one."""
+    inside = node.group.local_ranks if node.group is not None else ()
+    return [lr for lr, s in enumerate(node.slots)
+            if s.state is Worker.BROKEN and not s.stuck and lr not in inside]
+
+
 def outside(node: Node) -> bool:
     """Whether none of this node's workers is in the job's group or finished it: they start to
     join it (or none runs)."""
@@ -130,6 +172,8 @@ def running(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
     node = replace(node, phase=Phase.RUNNING, deadline=math.inf, record_final=False)
     if node.leave is not None and not node.leave.announced:
         return take_up_leave(node, acts, now, rules)
+    if left_out(node):  # it showed while the round formed without it
+        return join(node, *acts, say(BACK_IN))
     if any(s.state is Worker.FRESH for s in node.slots):
         moved, acts = bring_in(node, acts, now, rules)
         if moved.phase is Phase.RUNNING:  # they wait for a worker still starting: watch on
@@ -175,7 +219,7 @@ def after_failure(node: Node, why: str, now: float, rules: Rules) -> Result:
         moved, acts = cancel(node, why)  # (under --restart-on-change the round restarts anyway)
         return moved, [told, *acts]
     if node.phase is Phase.ENTERING or (node.phase is Phase.AWAITING and node.decision):
-        return abandon(node, why)
+        return abandon(node, why, now)
     return node, [told]  # forming or settling: the record says so
 
 

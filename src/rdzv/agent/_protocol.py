@@ -28,7 +28,9 @@ Phases of a node::
 * **ENTERING**: the workers got their plans (switch at a step, or recover now) and move to the
   new group; once every one is in, the node runs in the round. A participant lost now (or a
   worker that breaks or crashes while entering) makes the node abort its workers' group, mark
-  the round abandoned (the others see it at once) and join the next round, as a recovery.
+  the round abandoned (the others see it at once) and join the next round, as a recovery. So
+  does a worker told to abort its old group that has not shown within its abort bound that it
+  left it (``_moves.abort_bound``): it is left out of the next group until it does.
 * **RUNNING**: any change starts the next transition: a node waiting to join, a member leaving
   or lost (the workers' group is aborted first, so a collective waiting on a lost peer fails at
   once), a worker whose group broke, a crashed worker (restarted alone, in the background, as a
@@ -104,11 +106,21 @@ class Slot:
     batch: int | None = None
     """A joiner started with every other worker of its node: the provisional group they set up
     in together (numbered by the node's restarts; None: it joins alone)."""
+    aborted_at: float | None = None
+    """When its agent aborted its group, if it has not shown since that it left it (by
+    reporting the failure, taking the plan of the round entered (``Moving``), entering a
+    group, or being a new process)."""
+    stuck: bool = False
+    """It did not show that within its abort bound (``_moves.abort_bound``; gloo can leave a
+    collective waiting on a closed peer): the groups form without it until it does, or until
+    its own abort watch ends it and it restarts alone."""
 
     def report(self, inprocess: bool | None) -> SlotState:
         """What the node's record says of this slot. ``inprocess``: whether the node's workers
         use the in-process API; a started worker of a program without it never connects and
         holds its state all the same."""
+        if self.stuck and self.state is Worker.BROKEN:  # (as good as absent, until it shows)
+            return SlotState.ABSENT
         if self.state in (Worker.RUNNING, Worker.ENTERED):
             return SlotState.RUNNING
         if self.state is Worker.BROKEN:

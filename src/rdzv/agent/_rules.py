@@ -16,7 +16,9 @@ from ._moves import (
     LOST_AT_START,
     TRANSITIONS,
     abandon,
+    abort_bound,
     aborted,
+    aborting,
     bring_in,
     cancel,
     exit_with,
@@ -29,6 +31,7 @@ from ._moves import (
     settle,
     settled,
     signalled,
+    stuck_in_abort,
     take_up_leave,
     without_api,
 )
@@ -135,7 +138,7 @@ def _on_decided(node: Node, event: Decided, now: float, rules: Rules) -> Result:
         return _finish(replace(node, decision=decision), now)
     node = replace(node, phase=Phase.AWAITING, decision=decision)
     if node.cancelled is not None:  # decided before this node's cancel: the cause still holds
-        return abandon(node, f"{node.cancelled}, after the round's decision")
+        return abandon(node, f"{node.cancelled}, after the round's decision", now)
     return node, [act("fetch")]
 
 
@@ -175,13 +178,26 @@ def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Resul
     if not mine.local_ranks:  # none of this node's workers is in the group
         return running(replace(node, group=None), acts, now, rules)
     if any(node.slots[lr].state is Worker.DONE for lr in mine.local_ranks):
-        return abandon(node, "this node's workers finished before they entered the new group")
+        return abandon(node, "this node's workers finished before they entered the new group",
+                       now)
     if decision.kind is Kind.RECOVER:
+        node = aborting(node, now)
         acts.append(act("abort"))
     acts.append(act("plans"))
     joining = all(node.slots[lr].state is Worker.FRESH for lr in mine.local_ranks)
-    return replace(node, phase=Phase.ENTERING, deadline=now + rules.switch_timeout,
-                   entering_since=now, joining=joining), acts
+    node = replace(node, phase=Phase.ENTERING, entering_since=now, joining=joining)
+    return replace(node, deadline=_entering_deadline(node, rules)), acts
+
+
+def _entering_deadline(node: Node, rules: Rules) -> float:
+    """When entering the group times out (``--switch-timeout``), or sooner, when a worker told
+    to abort its group has shown by then that it left it (:func:`abort_bound`)."""
+    mine = node.assignment
+    assert mine is not None
+    return min([node.entering_since + rules.switch_timeout] + [
+        slot.aborted_at + abort_bound(slot) for slot in (node.slots[lr] for lr in
+                                                        mine.local_ranks)
+        if slot.aborted_at is not None and not node.sharded])
 
 
 def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
@@ -201,8 +217,8 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
                                                         node.restart_why})]
         else:
             acts.append(say(f"restarting the workers in the new round: {decision.why}"))
-    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False, batch=None)
-                  for s in node.slots)
+    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False, batch=None,
+                          aborted_at=None, stuck=False) for s in node.slots)
     node = replace(node, phase=Phase.RUNNING, slots=slots, restarts=restarts, restart_why=None,
                    restart_cause="", failed_transitions=0, entered_at=None,
                    group=Group(decision.prefix, node.assignment.rank_offset,
@@ -254,7 +270,7 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     if phase in (Phase.SETTLING, Phase.AWAITING) and node.decision is None and event.lost:
         return cancel(node, f"{event.lost} participant(s) lost before the decision")
     if phase in (Phase.AWAITING, Phase.ENTERING) and node.decision and event.lost:
-        return abandon(node, "a participant of the new group was lost")
+        return abandon(node, "a participant of the new group was lost", now)
     if doomed and phase is Phase.SETTLING:  # (a leaver: its record is final now)
         return settle(node, [], rules)
     return node, []  # (a node that abandons the round says so: Abandoned)
@@ -287,7 +303,7 @@ def _doomed_start(node: Node) -> Node:
 
 def _on_abandoned(node: Node, event: Abandoned, now: float, rules: Rules) -> Result:
     if node.phase in (Phase.AWAITING, Phase.ENTERING) and node.decision is not None:
-        return abandon(node, "another node could not enter the new group")
+        return abandon(node, "another node could not enter the new group", now)
     return node, []
 
 
@@ -300,13 +316,13 @@ def _on_expired(node: Node, event: Expired, now: float, rules: Rules) -> Result:
     if _starting_in_group(node, now, rules):
         node = _doomed_start(node)
     if node.phase in (Phase.RUNNING, Phase.FINISHED) and node.leave is None:
-        return join(aborted(node), say(f"this node's store session expired, so the others "
-                                          f"take it for gone ({event.why}); re-forming"),
-                     act("abort"))
+        return join(aborted(node, now), say(f"this node's store session expired, so the "
+                                               f"others take it for gone ({event.why}); "
+                                               "re-forming"), act("abort"))
     if node.phase in TRANSITIONS:
-        return join(aborted(node), say(f"this node's store session expired as the round "
-                                          f"formed, so the others take it for gone "
-                                          f"({event.why}); re-forming"), act("abort"))
+        return join(aborted(node, now), say(f"this node's store session expired as the "
+                                               f"round formed, so the others take it for gone "
+                                               f"({event.why}); re-forming"), act("abort"))
     return node, []
 
 
@@ -345,9 +361,20 @@ def _on_time(node: Node, now: float, rules: Rules) -> Result:
         return cancel(replace(node, deadline=now + rules.switch_timeout),
                        f"no decision within {timeout}")
     if node.phase is Phase.AWAITING:
-        return abandon(node, f"this node's assignment could not be read within {timeout}")
+        return abandon(node, f"this node's assignment could not be read within {timeout}",
+                       now)
     if node.phase is Phase.ENTERING:
-        return abandon(node, f"the workers did not enter the new group within {timeout}")
+        stuck = stuck_in_abort(node, now)
+        if stuck:
+            slots = tuple(replace(s, stuck=True) if lr in stuck else s
+                          for lr, s in enumerate(node.slots))
+            ranks = ", ".join(map(str, stuck))
+            return abandon(replace(node, slots=slots), f"local rank(s) {ranks} did not leave "
+                           "the aborted group in time (gloo can wait on a closed peer): the "
+                           "next group forms without them until they do", now)
+        if now < node.entering_since + rules.switch_timeout:  # (they all left it)
+            return replace(node, deadline=_entering_deadline(node, rules)), []
+        return abandon(node, f"the workers did not enter the new group within {timeout}", now)
     return node, []
 
 

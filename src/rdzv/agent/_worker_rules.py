@@ -7,9 +7,21 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import replace
 
-from .._messages import Broken, Entered, Failed, Hello, Left, Progress, Shards, Term, Where
+from .._messages import (
+    Broken,
+    Entered,
+    Failed,
+    Hello,
+    Left,
+    Moving,
+    Progress,
+    Shards,
+    Term,
+    Where,
+)
 from ._hang import QUIET, on_where
 from ._moves import (
+    BACK_IN,
     LOST_AT_START,
     TRANSITIONS,
     abandon,
@@ -72,18 +84,25 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         return on_where(node, lr, message, now, rules)
     if isinstance(message, Broken):
         node = with_slot(node, lr, state=Worker.FRESH if message.fresh else Worker.BROKEN,
-                         step=None if message.fresh else message.step, **QUIET)
+                         step=None if message.fresh else message.step, aborted_at=None,
+                         stuck=False, **QUIET)
         if node.leave is not None and node.leave.announced:
             return exit_with(node, 0, say("leaving: the workers' group failed while the node was "
                                        "leaving; exiting"), act("stop", signals.SIGTERM))
+        if node.phase is Phase.RUNNING and slot.stuck:  # (not the group's failure)
+            return join(node, say(BACK_IN))
         if node.phase is Phase.RUNNING:
             if not message.fresh:
                 node = group_failed(node, message.step)
             return join(node, say("a worker's process group failed (a peer is gone): "
                                     "forming the next round; the workers stay up"))
         if node.phase is Phase.ENTERING and message.round == node.gen:
-            return abandon(node, "a worker's new group failed while it entered")
+            return abandon(node, "a worker's new group failed while it entered", now)
         return node, []  # its old group failed: it enters the planned one at once
+    if isinstance(message, Moving):  # out of its old group: not stuck in an aborted one
+        if node.phase is Phase.ENTERING and message.round == node.gen:
+            node = with_slot(node, lr, aborted_at=None)
+        return node, []
     if isinstance(message, Entered):
         return on_entered(node, lr, message, now, rules)
     if isinstance(message, Left):
@@ -129,7 +148,8 @@ def on_hello(node: Node, lr: int, now: float, rules: Rules) -> Result:
 def on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules) -> Result:
     if node.phase is not Phase.ENTERING or message.round != node.gen:
         return node, []
-    node = with_slot(node, lr, state=Worker.ENTERED, step=message.step, sampled=now, **QUIET)
+    node = with_slot(node, lr, state=Worker.ENTERED, step=message.step, sampled=now,
+                     aborted_at=None, stuck=False, **QUIET)
     mine = node.assignment
     decision = node.decision
     assert mine is not None and decision is not None
@@ -151,6 +171,7 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
                                                                   Worker.GONE):
         return node, []
     crashed = node.slots[lr]
+    node = with_slot(node, lr, aborted_at=None, stuck=False)  # (nothing of it is in a group)
     set_up_with = crashed.batch if crashed.join and crashed.state in (Worker.STARTING,
                                                                       Worker.FRESH) else None
     # (started to join with its node's others, not in yet: they set up in one group)
@@ -177,6 +198,7 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
     if leaving:
         return exit_with(node, 0, say(f"leaving: {who} while the node was leaving; exiting"),
                      act("stop", signals.SIGTERM))
+    stuck = crashed.stuck  # (left out of the group: its end changes no round)
     doomed = crashed.state is Worker.BROKEN and node.restart_cause == LOST_AT_START
     if (doomed or (crashed.state is Worker.STARTING and node.inprocess is not False)) and \
             -event.code in (signals.SIGTERM, signals.SIGINT):
@@ -215,13 +237,15 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
             *(act("kill", peer) for peer in peers),
             act("event", "workers_restarted", {"restarts": restarts, "reason": who,
                                                "alone": not peers})]
+    if stuck:
+        return node, acts
     if node.phase is Phase.RUNNING:
         return join(node, *acts)
     if node.phase is Phase.AWAITING and node.decision is None:
         moved, more = cancel(node, "a worker crashed after this node's record")
         return moved, acts + more
     if node.phase is Phase.ENTERING or (node.phase is Phase.AWAITING and node.decision):
-        moved, more = abandon(node, "a worker crashed while the group formed")
+        moved, more = abandon(node, "a worker crashed while the group formed", now)
         return moved, acts + more
     if node.phase is Phase.SETTLING:
         moved, more = settle(node, [], rules)

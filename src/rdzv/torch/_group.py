@@ -38,6 +38,7 @@ from .._messages import (
     Broken,
     Closed,
     Left,
+    Moving,
     Plan,
     PlanKind,
     Probe,
@@ -207,7 +208,9 @@ class AgentLink:
                 return None
             self._plan = None
             self._moves += 1
-            return seen, group_sockets.aborts
+            taken = seen, group_sockets.aborts
+        self.send(Moving(seen.round))
+        return taken
 
     def wait(self) -> tuple[Plan, int]:
         """Wait for the next plan (with the aborts counted when it was taken); SwitchError if
@@ -221,7 +224,8 @@ class AgentLink:
                     if plan is not None:
                         self._plan = None
                         self._moves += 1
-                        return plan, group_sockets.aborts
+                        taken = plan, group_sockets.aborts
+                        break
                     if self._gone:
                         # Told to leave by a SIGTERM whose handler ran only once a collective
                         # returned (a handler runs between two lines of Python), after the
@@ -233,6 +237,8 @@ class AgentLink:
                     self._cond.wait(WAIT_SLICE)
             finally:
                 self._waiting = False
+        self.send(Moving(taken[0].round))
+        return taken
 
     # -- stopping and SIGTERM ------------------------------------------------------------------
     def _watch_sigterm(self) -> None:
