@@ -10,7 +10,9 @@ server: the three failure modes of issue 22, each resolved in-process, at once, 
 * a node that joins while the first workers still start (import torch): it joins in-process
   once they connect, nobody restarts;
 * a node stopped (agent and workers) while every worker starts: the others restart theirs at
-  once in a group without it, not after the connect timeout.
+  once in a group without it, not after the connect timeout;
+* a node lost while a worker of another is stuck where the abort does not reach it (gloo can
+  wait on a closed peer): its agent leaves it out, and the others recover without it at once.
 """
 
 from __future__ import annotations
@@ -284,3 +286,41 @@ def test_a_node_stopped_while_the_workers_start_restarts_them_at_once(
     assert codes == [0, 0] and "world_size 3" not in outputs, outputs[-12000:]
     assert "lost or leaving while this node's workers may still be starting" in outputs, outputs
     assert "rdzv run failed" not in outputs and "restart 1 of" not in outputs, outputs
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_stuck_in_the_aborted_group_is_left_out_of_the_recovery(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """Rank 1 sleeps in its step (as a worker stuck in a gloo collective that the abort does
+    not wake: it neither reports the failure nor takes its plan) when the node of rank 2 is
+    killed. Its agent leaves it out of the new group once its abort bound has passed; rank 0
+    recovers without it then, not after the 3 s its abort watch waits before it ends it; then
+    it restarts alone and joins from rank 0."""
+    stall = tmp_path / "stall"
+    args = agent_args(tmp_path, serve(launcher), [WORKER, "--steps", "200", "--stall-file",
+                                                  str(stall), "--stall-rank", "1",
+                                                  "--stall-seconds", "60"])
+    nodes = [launcher.start(args) for _ in range(3)]
+    wait_for(lambda: any("step 20 world_size 3" in n.output() for n in nodes), PHASE_TIMEOUT,
+             "20 steps at world size 3")
+    stall.touch()
+    wait_for(lambda: any("rank 1 stalls" in n.output() for n in nodes), PHASE_TIMEOUT,
+             "the stall")
+    stall.unlink()  # one stall: the worker started in its place trains on
+    first = next(n for n in nodes if "step 20 world_size 3" in n.output())
+    stuck = next(n for n in nodes if "rank 1 stalls" in n.output())
+    lost = next(n for n in nodes if n is not first and n is not stuck)
+    os.killpg(lost.pid, signal.SIGKILL)  # rank 2's node: the others' group is aborted
+    lost.wait(PHASE_TIMEOUT)
+    codes = [node.wait(PHASE_TIMEOUT * 2) for node in (first, stuck)]
+    outputs = first.output() + stuck.output()
+    assert codes == [0, 0], outputs[-12000:]
+    said = stuck.output()
+    left_out = said.find("local rank(s) 0 did not leave the aborted group in time")
+    ended = said.find("local rank 0 ended with signal SIGKILL: restarting it alone")
+    assert 0 <= left_out < ended, said[-8000:]  # left out before its watch ended it
+    assert re.search(r"recovered in-process in \d+ ms[^\n]*world size 1", first.output()), (
+        first.output()[-8000:])
+    assert "restarting the workers" not in outputs, outputs[-12000:]
+    assert "world size 2" in first.output().split("world size 1")[-1], first.output()[-6000:]
+    assert "DIFFERENT" not in outputs and "done: 200 steps" in first.output(), outputs[-12000:]
