@@ -9,7 +9,17 @@ from typing import Any
 
 import pytest
 
-from rdzv._messages import Broken, Entered, Hello, Left, Moving, Progress, Shards, Term
+from rdzv._messages import (
+    Broken,
+    Entered,
+    Hello,
+    Left,
+    Moving,
+    Progress,
+    Shards,
+    Term,
+    Where,
+)
 from rdzv.agent._protocol import (
     Abandoned,
     AllFinished,
@@ -36,7 +46,7 @@ from rdzv.agent._protocol import (
     Worker,
 )
 from rdzv.agent._records import Assignment, Decision, Kind, SlotState
-from rdzv.agent._moves import ABORT_CONFIRM, MAX_FAILED_TRANSITIONS
+from rdzv.agent._moves import ABORT_CONFIRM, ABORT_PROBE, MAX_FAILED_TRANSITIONS
 from rdzv.agent._rules import step
 
 RULES = Rules(nproc=1, max_restarts=3, switch_timeout=60.0, leave_grace=30.0, min_nodes=1)
@@ -692,31 +702,53 @@ def stuck_after_expiry(nproc: int = 1) -> Node:
     node, acts = step(node, Assigned(4, assignment(local_ranks=tuple(range(nproc)))), NOW + 0.1,
                       RULES)
     assert node.phase is Phase.ENTERING and "plans" in whats(acts)
-    assert node.deadline == NOW + ABORT_CONFIRM  # (not --switch-timeout, 60 s)
+    assert node.deadline == NOW + ABORT_PROBE  # (not --switch-timeout, 60 s)
     return node
 
 
-def test_a_worker_stuck_in_an_aborted_group_is_left_out_of_the_next_one_at_once() -> None:
-    node = stuck_after_expiry()
-    same, acts = step(node, Tick(), NOW + ABORT_CONFIRM - 0.01, RULES)
+def asked(node: Node, bound: float = ABORT_CONFIRM) -> Node:
+    """``ABORT_PROBE`` after the abort, the unshown workers are asked where they are; they
+    have until ``bound`` after it to show."""
+    same, acts = step(node, Tick(), NOW + ABORT_PROBE - 0.01, RULES)
     assert same.phase is Phase.ENTERING and acts == []
-    node, acts = step(node, Tick(), NOW + ABORT_CONFIRM, RULES)
+    node, acts = step(node, Tick(), NOW + ABORT_PROBE, RULES)
+    assert node.phase is Phase.ENTERING and whats(acts) == ["probe"] * len(acts) and acts
+    assert node.deadline == NOW + bound
+    return node
+
+
+def left_out(node: Node, *, answer: Where | None) -> Node:
+    """Left out of the group being entered: by its answer, or for want of any sign."""
+    if answer is not None:
+        node, acts = step(node, worker(answer), NOW + 0.4, RULES)
+        why = "it still waits in a collective 0.4 s after the abort"
+    else:
+        node, acts = step(node, Tick(), NOW + ABORT_CONFIRM, RULES)
+        why = f"no sign of it within {ABORT_CONFIRM:g} s"
     assert node.phase is Phase.FORMING and whats(acts) == ["abort", "abandon", "join"]
-    assert "local rank(s) 0 did not leave the aborted group in time" in acts[0].args[0]
+    assert f"local rank(s) 0 did not leave the aborted group ({why};" in acts[0].args[0]
+    return node
+
+
+@pytest.mark.parametrize("answer", [Where(40, waiting=True), None],
+                         ids=["waits in a collective", "no sign"])
+def test_a_worker_stuck_in_an_aborted_group_is_left_out_of_the_next_one_at_once(
+        answer: Where | None) -> None:
+    node = left_out(asked(stuck_after_expiry()), answer=answer)
     # the next round forms without it (the others recover at once, not after its watch's 3 s)
     assert [s.report(True) for s in node.slots] == [SlotState.ABSENT]
-    node, _ = step(node, Formed(5, 1, 3), NOW + 1.1, RULES)
-    node, _ = step(node, Decided(5, decided(Kind.RECOVER)), NOW + 1.1, RULES)
-    node, acts = step(node, Assigned(5, assignment(local_ranks=())), NOW + 1.1, RULES)
+    node, _ = step(node, Formed(5, 1, 3), NOW + 1.6, RULES)
+    node, _ = step(node, Decided(5, decided(Kind.RECOVER)), NOW + 1.6, RULES)
+    node, acts = step(node, Assigned(5, assignment(local_ranks=())), NOW + 1.6, RULES)
     assert node.phase is Phase.RUNNING and node.group is None
-    left_out = node
+    out = node
     # its watch ends it: it restarts alone and joins once warm, like any crashed worker
-    node, acts = step(left_out, Exited(0, -signal.SIGKILL), NOW + 3.0, RULES)
+    node, acts = step(out, Exited(0, -signal.SIGKILL), NOW + 3.0, RULES)
     assert node.slots[0] == Slot(Worker.STARTING, join=True, batch=node.slots[0].batch)
     assert "restarting it alone" in acts[0].args[0] and "replace" in whats(acts)
     # or it comes out of the collective after all: it holds its state again, and a round
     # brings it back (a recovery: the others' state is ahead of its own)
-    node, acts = step(left_out, worker(Broken(40)), NOW + 2.0, RULES)
+    node, acts = step(out, worker(Broken(40)), NOW + 2.0, RULES)
     assert node.slots[0].report(True) is SlotState.BROKEN and not node.slots[0].stuck
     assert node.phase is Phase.FORMING and whats(acts) == ["join"]
 
@@ -724,26 +756,28 @@ def test_a_worker_stuck_in_an_aborted_group_is_left_out_of_the_next_one_at_once(
 def test_a_worker_that_shows_it_left_the_aborted_group_is_waited_for() -> None:
     node = stuck_after_expiry()
     for shown in (Moving(4), Broken(40)):  # it took its plan; its collective failed
-        moved, acts = step(node, worker(shown), NOW + 0.5, RULES)
+        moved, acts = step(node, worker(shown), NOW + 0.2, RULES)
         assert moved.slots[0].aborted_at is None and not whats(acts)
         moved, acts = step(moved, Tick(), NOW + ABORT_CONFIRM, RULES)
         assert moved.phase is Phase.ENTERING and acts == []  # it may create the group slowly
         assert moved.deadline == NOW + 0.1 + RULES.switch_timeout
+    # asked, it computes in its own code: its next collective fails, or it takes its plan
+    busy, acts = step(asked(node), worker(Where(40, waiting=False)), NOW + 0.4, RULES)
+    assert busy.phase is Phase.ENTERING and acts == []
     # a worker with slow steps has three of them
-    slow = replace(node, slots=(replace(node.slots[0], longest=2.0),))
-    moved, acts = step(slow, Tick(), NOW + ABORT_CONFIRM, RULES)
-    assert moved.phase is Phase.ENTERING and moved.deadline == NOW + 6.0
+    asked(replace(node, slots=(replace(node.slots[0], longest=2.0),)), bound=6.0)
     # the workers of a sharded model are never left out alone (they restart together)
     whole = replace(node, sharded=True)
     moved, acts = step(whole, Tick(), NOW + ABORT_CONFIRM, RULES)
-    assert moved.phase is Phase.ENTERING and moved.deadline == NOW + 0.1 + RULES.switch_timeout
+    assert moved.phase is Phase.ENTERING and acts == []
+    assert moved.deadline == NOW + 0.1 + RULES.switch_timeout
 
 
 def test_a_recovery_aborts_the_running_workers_and_bounds_their_wait_likewise() -> None:
     node = replace(awaiting(), decision=decided(Kind.RECOVER))
     node, acts = step(node, Assigned(4, assignment()), NOW, RULES)
     assert whats(acts) == ["abort", "plans"] and node.slots[0].aborted_at == NOW
-    assert node.deadline == NOW + ABORT_CONFIRM
+    assert node.deadline == NOW + ABORT_PROBE
     # a planned switch aborts nothing: no bound
     node, acts = step(replace(awaiting(), decision=decided(Kind.SWITCH)),
                       Assigned(4, assignment()), NOW, RULES)
@@ -751,7 +785,7 @@ def test_a_recovery_aborts_the_running_workers_and_bounds_their_wait_likewise() 
 
 
 def test_a_worker_left_out_that_shows_while_the_next_round_forms_is_brought_back() -> None:
-    node, _ = step(stuck_after_expiry(), Tick(), NOW + ABORT_CONFIRM, RULES)
+    node = left_out(asked(stuck_after_expiry()), answer=None)
     node, _ = step(node, Formed(5, 1, 3), NOW + 1.6, RULES)
     assert node.phase is Phase.AWAITING and node.record_final  # (it reports the worker absent)
     node, acts = step(node, worker(Broken(40)), NOW + 2.0, RULES)  # out of the collective now
@@ -768,10 +802,10 @@ def test_the_end_of_a_worker_left_out_changes_no_round() -> None:
     by 1 alone when 0's watch ends it: 0 restarts alone; the round goes on, and counts no
     failed transition."""
     node = stuck_after_expiry(nproc=2)
-    node, _ = step(node, worker(Moving(4), local_rank=1), NOW + 0.5, RULES)
-    node, _ = step(node, worker(Moving(3), local_rank=0), NOW + 0.5, RULES)  # another round's
+    node, _ = step(node, worker(Moving(4), local_rank=1), NOW + 0.2, RULES)
+    node, _ = step(node, worker(Moving(3), local_rank=0), NOW + 0.2, RULES)  # another round's
     assert [s.aborted_at for s in node.slots] == [NOW, None]
-    node, _ = step(node, Tick(), NOW + ABORT_CONFIRM, RULES)
+    node = left_out(asked(node), answer=Where(40, waiting=True))
     assert [s.report(True) for s in node.slots] == [SlotState.ABSENT, SlotState.BROKEN]
     failed = node.failed_transitions
     node, _ = step(node, Formed(5, 1, 3), NOW + 1.6, RULES)

@@ -30,6 +30,10 @@ error taken for a lost peer)."""
 ABORT_CONFIRM = 1.5
 """Seconds a worker has, at least, to show that it left the group its agent aborted (see
 :func:`abort_bound`): half its own watch's grace (``rdzv.torch._group.ABORT_GRACE``)."""
+ABORT_PROBE = 0.3
+"""Seconds after the abort at which a worker that has not shown yet that it left the group is
+asked where it is: one still waiting in a collective then is stuck in the aborted group's (an
+aborted collective fails within milliseconds), and is left out at once."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
@@ -62,6 +66,10 @@ def join(node: Node, *before: Act) -> Result:
             [*before, act("join")])
 
 
+SHOWN: dict[str, Any] = {"aborted_at": None, "abort_probed": False, "stuck": False}
+"""A slot's abort fields once its worker showed that it left the aborted group."""
+
+
 def aborting(node: Node, now: float) -> Node:
     """The workers in the group are told to abort it at ``now``: each has its
     :func:`abort_bound` to show that it left it."""
@@ -85,15 +93,31 @@ def abort_bound(slot: Slot) -> float:
     return max(ABORT_CONFIRM, 3 * slot.longest)
 
 
-def stuck_in_abort(node: Node, now: float) -> list[int]:
-    """The local ranks, in the group being entered, of the workers that did not show within
-    their :func:`abort_bound` that they left the aborted group. None for a sharded model (a
-    worker holds a part that its node's others lack: a stuck one ends and they all restart)."""
+def unshown(node: Node) -> list[int]:
+    """The local ranks, in the group being entered, of the workers told to abort their old
+    group that have not shown yet that they left it (none for a sharded model: a worker holds
+    a part that its node's others lack, so a stuck one ends and they all restart)."""
     mine = node.assignment
     if node.sharded or mine is None:
         return []
-    return [lr for lr in mine.local_ranks if (slot := node.slots[lr]).aborted_at is not None
-            and now >= slot.aborted_at + abort_bound(slot)]
+    return [lr for lr in mine.local_ranks if node.slots[lr].aborted_at is not None]
+
+
+def abort_due(slot: Slot) -> float:
+    """When an unshown worker is next due: asked where it is (:data:`ABORT_PROBE` after the
+    abort), then left out (its :func:`abort_bound`)."""
+    assert slot.aborted_at is not None
+    return slot.aborted_at + (abort_bound(slot) if slot.abort_probed else ABORT_PROBE)
+
+
+def left_out_now(node: Node, stuck: list[int], why: str, now: float) -> Result:
+    """Leave ``stuck`` out of the group being entered: abandon the round; the next record
+    reports them absent."""
+    slots = tuple(replace(s, stuck=True) if lr in stuck else s for lr, s in enumerate(node.slots))
+    ranks = ", ".join(map(str, stuck))
+    return abandon(replace(node, slots=slots), f"local rank(s) {ranks} did not leave the "
+                   f"aborted group ({why}; gloo can wait on a closed peer): the next group "
+                   "forms without them until they do", now)
 
 
 def abandon(node: Node, why: str, now: float) -> Result:
@@ -149,7 +173,7 @@ BACK_IN = "a worker left out of the group has left the aborted one: bringing it 
 
 def left_out(node: Node) -> list[int]:
     """Workers that hold their state outside the node's group: left out of it as stuck in an
-    aborted group (:func:`stuck_in_abort`), they reported since that they left that one."""
+    aborted group (:func:`left_out_now`), they reported since that they left that one."""
     inside = node.group.local_ranks if node.group is not None else ()
     return [lr for lr, s in enumerate(node.slots)
             if s.state is Worker.BROKEN and not s.stuck and lr not in inside]

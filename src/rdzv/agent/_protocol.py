@@ -29,8 +29,9 @@ Phases of a node::
   new group; once every one is in, the node runs in the round. A participant lost now (or a
   worker that breaks or crashes while entering) makes the node abort its workers' group, mark
   the round abandoned (the others see it at once) and join the next round, as a recovery. So
-  does a worker told to abort its old group that has not shown within its abort bound that it
-  left it (``_moves.abort_bound``): it is left out of the next group until it does.
+  does a worker told to abort its old group that has not shown that it left it: asked where it
+  is ``ABORT_PROBE`` after the abort, it still waits in a collective, or it gave no sign within
+  its abort bound (``_moves.abort_due``); it is left out of the next group until it shows.
 * **RUNNING**: any change starts the next transition: a node waiting to join, a member leaving
   or lost (the workers' group is aborted first, so a collective waiting on a lost peer fails at
   once), a worker whose group broke, a crashed worker (restarted alone, in the background, as a
@@ -110,6 +111,8 @@ class Slot:
     """When its agent aborted its group, if it has not shown since that it left it (by
     reporting the failure, taking the plan of the round entered (``Moving``), entering a
     group, or being a new process)."""
+    abort_probed: bool = False
+    """Asked where it is, ``ABORT_PROBE`` after that abort (``_moves.abort_due``)."""
     stuck: bool = False
     """It did not show that within its abort bound (``_moves.abort_bound``; gloo can leave a
     collective waiting on a closed peer): the groups form without it until it does, or until

@@ -14,9 +14,11 @@ from ._hang import check_hangs
 from ._moves import (
     EXIT_BARRIER_TIMEOUT,
     LOST_AT_START,
+    SHOWN,
     TRANSITIONS,
     abandon,
     abort_bound,
+    abort_due,
     aborted,
     aborting,
     bring_in,
@@ -25,14 +27,16 @@ from ._moves import (
     fail,
     finished,
     join,
+    left_out_now,
     outside,
     running,
     say,
     settle,
     settled,
     signalled,
-    stuck_in_abort,
     take_up_leave,
+    unshown,
+    with_slot,
     without_api,
 )
 from ._protocol import (
@@ -194,10 +198,8 @@ def _entering_deadline(node: Node, rules: Rules) -> float:
     to abort its group has shown by then that it left it (:func:`abort_bound`)."""
     mine = node.assignment
     assert mine is not None
-    return min([node.entering_since + rules.switch_timeout] + [
-        slot.aborted_at + abort_bound(slot) for slot in (node.slots[lr] for lr in
-                                                        mine.local_ranks)
-        if slot.aborted_at is not None and not node.sharded])
+    return min([node.entering_since + rules.switch_timeout] +
+               [abort_due(node.slots[lr]) for lr in unshown(node)])
 
 
 def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
@@ -217,8 +219,8 @@ def _restart(node: Node, acts: list[Act], now: float, rules: Rules) -> Result:
                                                         node.restart_why})]
         else:
             acts.append(say(f"restarting the workers in the new round: {decision.why}"))
-    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False, batch=None,
-                          aborted_at=None, stuck=False) for s in node.slots)
+    slots = tuple(replace(s, state=Worker.STARTING, step=None, join=False, batch=None, **SHOWN)
+                  for s in node.slots)
     node = replace(node, phase=Phase.RUNNING, slots=slots, restarts=restarts, restart_why=None,
                    restart_cause="", failed_transitions=0, entered_at=None,
                    group=Group(decision.prefix, node.assignment.rank_offset,
@@ -364,16 +366,16 @@ def _on_time(node: Node, now: float, rules: Rules) -> Result:
         return abandon(node, f"this node's assignment could not be read within {timeout}",
                        now)
     if node.phase is Phase.ENTERING:
-        stuck = stuck_in_abort(node, now)
+        late = [lr for lr in unshown(node) if now >= abort_due(node.slots[lr])]
+        stuck = [lr for lr in late if node.slots[lr].abort_probed]
         if stuck:
-            slots = tuple(replace(s, stuck=True) if lr in stuck else s
-                          for lr, s in enumerate(node.slots))
-            ranks = ", ".join(map(str, stuck))
-            return abandon(replace(node, slots=slots), f"local rank(s) {ranks} did not leave "
-                           "the aborted group in time (gloo can wait on a closed peer): the "
-                           "next group forms without them until they do", now)
-        if now < node.entering_since + rules.switch_timeout:  # (they all left it)
-            return replace(node, deadline=_entering_deadline(node, rules)), []
+            bound = max(abort_bound(node.slots[lr]) for lr in stuck)
+            return left_out_now(node, stuck, f"no sign of it within {bound:g} s", now)
+        for lr in late:  # asked where it is
+            node = with_slot(node, lr, abort_probed=True)
+        acts = [act("probe", lr) for lr in late]
+        if now < node.entering_since + rules.switch_timeout:  # (or they all left it)
+            return replace(node, deadline=_entering_deadline(node, rules)), acts
         return abandon(node, f"the workers did not enter the new group within {timeout}", now)
     return node, []
 

@@ -23,6 +23,7 @@ from ._hang import QUIET, on_where
 from ._moves import (
     BACK_IN,
     LOST_AT_START,
+    SHOWN,
     TRANSITIONS,
     abandon,
     after_failure,
@@ -33,11 +34,13 @@ from ._moves import (
     finished,
     group_failed,
     join,
+    left_out_now,
     running,
     say,
     settle,
     signalled,
     stop_now,
+    unshown,
     with_slot,
 )
 from ._protocol import (
@@ -81,11 +84,15 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         return with_slot(node, lr, step=message.step, step_time=step_time, longest=longest,
                          compute=message.compute, wait=message.wait, sampled=now, **QUIET), []
     if isinstance(message, Where):
+        if slot.abort_probed and lr in unshown(node) and node.phase is Phase.ENTERING:
+            if not message.waiting:  # in its own code: its next collective fails, or it moves
+                return node, []
+            return left_out_now(node, [lr], "it still waits in a collective "
+                                f"{now - (slot.aborted_at or now):.1f} s after the abort", now)
         return on_where(node, lr, message, now, rules)
     if isinstance(message, Broken):
         node = with_slot(node, lr, state=Worker.FRESH if message.fresh else Worker.BROKEN,
-                         step=None if message.fresh else message.step, aborted_at=None,
-                         stuck=False, **QUIET)
+                         step=None if message.fresh else message.step, **SHOWN, **QUIET)
         if node.leave is not None and node.leave.announced:
             return exit_with(node, 0, say("leaving: the workers' group failed while the node was "
                                        "leaving; exiting"), act("stop", signals.SIGTERM))
@@ -101,7 +108,7 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         return node, []  # its old group failed: it enters the planned one at once
     if isinstance(message, Moving):  # out of its old group: not stuck in an aborted one
         if node.phase is Phase.ENTERING and message.round == node.gen:
-            node = with_slot(node, lr, aborted_at=None)
+            node = with_slot(node, lr, **SHOWN)
         return node, []
     if isinstance(message, Entered):
         return on_entered(node, lr, message, now, rules)
@@ -149,7 +156,7 @@ def on_entered(node: Node, lr: int, message: Entered, now: float, rules: Rules) 
     if node.phase is not Phase.ENTERING or message.round != node.gen:
         return node, []
     node = with_slot(node, lr, state=Worker.ENTERED, step=message.step, sampled=now,
-                     aborted_at=None, stuck=False, **QUIET)
+                     **SHOWN, **QUIET)
     mine = node.assignment
     decision = node.decision
     assert mine is not None and decision is not None
@@ -171,7 +178,7 @@ def on_exit(node: Node, event: Exited, now: float, rules: Rules) -> Result:
                                                                   Worker.GONE):
         return node, []
     crashed = node.slots[lr]
-    node = with_slot(node, lr, aborted_at=None, stuck=False)  # (nothing of it is in a group)
+    node = with_slot(node, lr, **SHOWN)  # (nothing of it is in a group)
     set_up_with = crashed.batch if crashed.join and crashed.state in (Worker.STARTING,
                                                                       Worker.FRESH) else None
     # (started to join with its node's others, not in yet: they set up in one group)
