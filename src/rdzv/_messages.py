@@ -120,6 +120,10 @@ class Where:
     """The training thread waits for its peers (in a collective), not in its own code."""
     frame: str = ""
     """Its innermost frame of the training script or library, as ``file:line in function``."""
+    stuck: bool = False
+    """It has waited for its peers since its agent's last abort, without computing: in a
+    collective call, or in the gradients' reduction with no gradient since (the aborted
+    group's collective did not wake; see ``rdzv.torch._steptime.stuck``)."""
     TYPE: ClassVar[str] = "where"
 
 

@@ -721,17 +721,17 @@ def left_out(node: Node, *, answer: Where | None) -> Node:
     """Left out of the group being entered: by its answer, or for want of any sign."""
     if answer is not None:
         node, acts = step(node, worker(answer), NOW + 0.4, RULES)
-        why = "it still waits in a collective 0.4 s after the abort"
+        why = "blocked in a collective since the abort, 0.4 s ago"
     else:
         node, acts = step(node, Tick(), NOW + ABORT_CONFIRM, RULES)
-        why = f"no sign of it within {ABORT_CONFIRM:g} s"
+        why = f"no sign of it {ABORT_CONFIRM:.1f} s after the abort"
     assert node.phase is Phase.FORMING and whats(acts) == ["abort", "abandon", "join"]
     assert f"local rank(s) 0 did not leave the aborted group ({why};" in acts[0].args[0]
     return node
 
 
-@pytest.mark.parametrize("answer", [Where(40, waiting=True), None],
-                         ids=["waits in a collective", "no sign"])
+@pytest.mark.parametrize("answer", [Where(40, waiting=True, stuck=True), None],
+                         ids=["blocked in a collective", "no sign"])
 def test_a_worker_stuck_in_an_aborted_group_is_left_out_of_the_next_one_at_once(
         answer: Where | None) -> None:
     node = left_out(asked(stuck_after_expiry()), answer=answer)
@@ -761,9 +761,17 @@ def test_a_worker_that_shows_it_left_the_aborted_group_is_waited_for() -> None:
         moved, acts = step(moved, Tick(), NOW + ABORT_CONFIRM, RULES)
         assert moved.phase is Phase.ENTERING and acts == []  # it may create the group slowly
         assert moved.deadline == NOW + 0.1 + RULES.switch_timeout
-    # asked, it computes in its own code: its next collective fails, or it takes its plan
-    busy, acts = step(asked(node), worker(Where(40, waiting=False)), NOW + 0.4, RULES)
+    # asked, it computes (in its backward pass, say: waiting for the reduction as the hang
+    # watch counts it, but not blocked): its next collective fails, or it takes its plan
+    busy, acts = step(asked(node), worker(Where(40, waiting=True)), NOW + 0.4, RULES)
     assert busy.phase is Phase.ENTERING and acts == []
+    # the answer to an earlier question of the hang watch is not taken for this one's
+    hang = replace(asked(node), slots=(replace(asked(node).slots[0], probed=NOW - 1),))
+    moved, acts = step(hang, worker(Where(40, waiting=True, stuck=True)), NOW + 0.4, RULES)
+    assert moved.phase is Phase.ENTERING and moved.slots[0].probed is None and acts == []
+    # asked late (past its bound already), it still has the time to answer
+    late, acts = step(node, Tick(), NOW + 5.0, RULES)
+    assert whats(acts) == ["probe"] and late.deadline == NOW + 5.0 + ABORT_PROBE
     # a worker with slow steps has three of them
     asked(replace(node, slots=(replace(node.slots[0], longest=2.0),)), bound=6.0)
     # the workers of a sharded model are never left out alone (they restart together)
@@ -805,7 +813,7 @@ def test_the_end_of_a_worker_left_out_changes_no_round() -> None:
     node, _ = step(node, worker(Moving(4), local_rank=1), NOW + 0.2, RULES)
     node, _ = step(node, worker(Moving(3), local_rank=0), NOW + 0.2, RULES)  # another round's
     assert [s.aborted_at for s in node.slots] == [NOW, None]
-    node = left_out(asked(node), answer=Where(40, waiting=True))
+    node = left_out(asked(node), answer=Where(40, waiting=True, stuck=True))
     assert [s.report(True) for s in node.slots] == [SlotState.ABSENT, SlotState.BROKEN]
     failed = node.failed_transitions
     node, _ = step(node, Formed(5, 1, 3), NOW + 1.6, RULES)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -105,3 +106,44 @@ def test_a_step_spanning_a_stop_does_not_lengthen_the_next_aborts_grace() -> Non
     for _ in range(10):  # a real slow-down (10x) shows within a few steps all the same
         mean = mean_step(mean, 0.6)
     assert mean > 0.3
+
+
+def blocked_or_computing(blocked: bool) -> tuple[bool, bool]:
+    """A training thread past its backward pass, then blocked (as in a reduction that does not
+    wake) or computing; what ``StepTimer.stuck`` says of it for an abort after its last
+    gradient, and for one before it."""
+    box: dict[str, Any] = {}
+    ready, done = threading.Event(), threading.Event()
+
+    def train() -> None:
+        model = nn.Linear(16, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        box["timer"], box["started"] = StepTimer(model, optimizer), time.perf_counter()
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).square().mean().backward()
+        ready.set()
+        if blocked:
+            done.wait(30)
+        else:
+            deadline, total = time.monotonic() + 30, 0
+            while not done.is_set() and time.monotonic() < deadline:
+                total += 1  # its own work
+        optimizer.step()
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        timer, started = box["timer"], box["started"]
+        return timer.stuck(started, time.perf_counter()), timer.stuck(started, started - 1.0)
+    finally:
+        done.set()
+        thread.join(30)
+
+
+def test_a_thread_blocked_in_the_reduction_since_an_abort_is_stuck() -> None:
+    assert blocked_or_computing(blocked=True) == (True, False)
+
+
+def test_a_thread_that_computes_after_its_gradients_is_not_stuck() -> None:
+    assert blocked_or_computing(blocked=False) == (False, False)

@@ -32,8 +32,10 @@ ABORT_CONFIRM = 1.5
 :func:`abort_bound`): half its own watch's grace (``rdzv.torch._group.ABORT_GRACE``)."""
 ABORT_PROBE = 0.3
 """Seconds after the abort at which a worker that has not shown yet that it left the group is
-asked where it is: one still waiting in a collective then is stuck in the aborted group's (an
-aborted collective fails within milliseconds), and is left out at once."""
+asked where it is (and, at least, for its answer): one blocked since the abort in a collective
+call, or in the gradients' reduction with no gradient since, is stuck in the aborted group's
+(a collective call on an aborted group fails at once; DDP's reduction by the end of the
+backward pass), and is left out at once."""
 EXIT_BARRIER_TIMEOUT = 300.0
 """Seconds a node whose workers succeeded waits for the other nodes to finish (torch's value)."""
 TRANSITIONS = (Phase.SETTLING, Phase.AWAITING, Phase.ENTERING)
@@ -66,7 +68,7 @@ def join(node: Node, *before: Act) -> Result:
             [*before, act("join")])
 
 
-SHOWN: dict[str, Any] = {"aborted_at": None, "abort_probed": False, "stuck": False}
+SHOWN: dict[str, Any] = {"aborted_at": None, "abort_probed": None, "stuck": False}
 """A slot's abort fields once its worker showed that it left the aborted group."""
 
 
@@ -105,9 +107,12 @@ def unshown(node: Node) -> list[int]:
 
 def abort_due(slot: Slot) -> float:
     """When an unshown worker is next due: asked where it is (:data:`ABORT_PROBE` after the
-    abort), then left out (its :func:`abort_bound`)."""
+    abort), then left out (its :func:`abort_bound` after the abort, and ``ABORT_PROBE`` after
+    it was asked at least)."""
     assert slot.aborted_at is not None
-    return slot.aborted_at + (abort_bound(slot) if slot.abort_probed else ABORT_PROBE)
+    if slot.abort_probed is None:
+        return slot.aborted_at + ABORT_PROBE
+    return max(slot.aborted_at + abort_bound(slot), slot.abort_probed + ABORT_PROBE)
 
 
 def left_out_now(node: Node, stuck: list[int], why: str, now: float) -> Result:

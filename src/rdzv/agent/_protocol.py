@@ -111,12 +111,13 @@ class Slot:
     """When its agent aborted its group, if it has not shown since that it left it (by
     reporting the failure, taking the plan of the round entered (``Moving``), entering a
     group, or being a new process)."""
-    abort_probed: bool = False
-    """Asked where it is, ``ABORT_PROBE`` after that abort (``_moves.abort_due``)."""
+    abort_probed: float | None = None
+    """When it was asked where it is, not having shown that (``_moves.abort_due``)."""
     stuck: bool = False
-    """It did not show that within its abort bound (``_moves.abort_bound``; gloo can leave a
-    collective waiting on a closed peer): the groups form without it until it does, or until
-    its own abort watch ends it and it restarts alone."""
+    """It did not show that: asked, it was still blocked in a collective, or it gave no sign
+    within its abort bound (gloo can leave a collective waiting on a closed peer). The groups
+    form without it until it shows, or until its own abort watch ends it and it restarts
+    alone."""
 
     def report(self, inprocess: bool | None) -> SlotState:
         """What the node's record says of this slot. ``inprocess``: whether the node's workers

@@ -17,7 +17,6 @@ from ._moves import (
     SHOWN,
     TRANSITIONS,
     abandon,
-    abort_bound,
     abort_due,
     aborted,
     aborting,
@@ -367,12 +366,13 @@ def _on_time(node: Node, now: float, rules: Rules) -> Result:
                        now)
     if node.phase is Phase.ENTERING:
         late = [lr for lr in unshown(node) if now >= abort_due(node.slots[lr])]
-        stuck = [lr for lr in late if node.slots[lr].abort_probed]
+        stuck = [lr for lr in late if node.slots[lr].abort_probed is not None]
         if stuck:
-            bound = max(abort_bound(node.slots[lr]) for lr in stuck)
-            return left_out_now(node, stuck, f"no sign of it within {bound:g} s", now)
+            since = min(node.slots[lr].aborted_at or now for lr in stuck)
+            return left_out_now(node, stuck, f"no sign of it {now - since:.1f} s after the "
+                                "abort", now)
         for lr in late:  # asked where it is
-            node = with_slot(node, lr, abort_probed=True)
+            node = with_slot(node, lr, abort_probed=now)
         acts = [act("probe", lr) for lr in late]
         if now < node.entering_since + rules.switch_timeout:  # (or they all left it)
             return replace(node, deadline=_entering_deadline(node, rules)), acts

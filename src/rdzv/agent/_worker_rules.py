@@ -84,12 +84,13 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         return with_slot(node, lr, step=message.step, step_time=step_time, longest=longest,
                          compute=message.compute, wait=message.wait, sampled=now, **QUIET), []
     if isinstance(message, Where):
-        if slot.abort_probed and lr in unshown(node) and node.phase is Phase.ENTERING:
-            if not message.waiting:  # in its own code: its next collective fails, or it moves
-                return node, []
-            return left_out_now(node, [lr], "it still waits in a collective "
-                                f"{now - (slot.aborted_at or now):.1f} s after the abort", now)
-        return on_where(node, lr, message, now, rules)
+        if slot.probed is not None or not (node.phase is Phase.ENTERING and
+                                           slot.abort_probed is not None and lr in unshown(node)):
+            return on_where(node, lr, message, now, rules)  # (a hang probe's answer first)
+        if not message.stuck:  # it computes: its next collective fails, or it takes its plan
+            return node, []
+        return left_out_now(node, [lr], "blocked in a collective since the abort, "
+                            f"{now - (slot.aborted_at or now):.1f} s ago", now)
     if isinstance(message, Broken):
         node = with_slot(node, lr, state=Worker.FRESH if message.fresh else Worker.BROKEN,
                          step=None if message.fresh else message.step, **SHOWN, **QUIET)

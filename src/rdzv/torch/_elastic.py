@@ -314,9 +314,10 @@ class ElasticState:
         plan = self._link.peek() if self._link is not None else None
         return plan.round if plan is not None and plan.kind is PlanKind.SWITCH else -1
 
-    def _where(self) -> Where:
+    def _where(self, aborted_at: float) -> Where:
         waiting, frame = self._timer.waiting(self._last or 0.0)
-        return Where(self.step, waiting, frame)
+        blocked = aborted_at > 0 and self._timer.stuck(self._last or 0.0, aborted_at)
+        return Where(self.step, waiting, frame, blocked)
 
     @property
     def step_time(self) -> float | None:

@@ -48,7 +48,7 @@ from .._messages import (
 )
 from ..errors import RendezvousError, RendezvousParameterError
 from ._abort import GroupSockets
-from ._steptime import describe, in_collective
+from ._steptime import describe, in_collective, stuck
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,10 @@ class AgentLink:
         self._stopping = False
         self._noticed = False
         self._term = threading.Event()
-        self.where: Callable[[], Where] = self._where_unknown
-        """Where the training thread is (:class:`ElasticState` sets a better one)."""
+        self.where: Callable[[float], Where] = self._where_unknown
+        """Where the training thread is, and whether it is stuck since the abort at the given
+        ``perf_counter`` time (0: none yet); :class:`ElasticState` sets a better one."""
+        self._aborted_at = 0.0
         self._main = threading.get_ident()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._stacks = _dump_stacks_on_signal(stacks_file(path, local_rank))
@@ -120,9 +122,10 @@ class AgentLink:
         group_sockets.exclude(self.client.sock)
         self._watch_sigterm()
 
-    def _where_unknown(self) -> Where:
+    def _where_unknown(self, aborted_at: float) -> Where:
         frame = sys._current_frames().get(self._main)
-        return Where(-1, in_collective(frame), describe(frame))
+        blocked = aborted_at > 0 and stuck(self._main, False, frame)
+        return Where(-1, in_collective(frame), describe(frame), blocked)
 
     # -- the agent's messages (channel thread) ------------------------------------------------
     def _on(self, message: Any) -> None:
@@ -131,6 +134,7 @@ class AgentLink:
                 self._plan = message
                 self._cond.notify_all()
         elif isinstance(message, Abort):
+            self._aborted_at = time.perf_counter()
             with self._cond:
                 self._plan = None  # a plan not taken yet belongs to an abandoned round
                 self._cond.notify_all()
@@ -143,7 +147,7 @@ class AgentLink:
         elif isinstance(message, Stop):
             self._on_stop()
         elif isinstance(message, Probe):
-            self.send(self.where())
+            self.send(self.where(self._aborted_at))
         elif isinstance(message, Closed):
             if self._noticed:  # told to leave by SIGTERM, and its agent has ended: end as the
                 self._on_stop()  # signal's default action would (scancel of a whole job)

@@ -49,6 +49,26 @@ def mean_step(mean: float | None, elapsed: float) -> float:
     return 0.8 * mean + 0.2 * min(elapsed, STEP_OUTLIER * mean)
 
 
+IDLE_PROBE = 0.05
+"""Seconds over which a thread whose CPU time stands still counts as blocked (see :func:`stuck`)."""
+
+
+def stuck(thread: int, waiting_since: bool, frame: FrameType | None) -> bool:
+    """Whether ``thread`` is blocked waiting for its peers: in a collective call
+    (:func:`in_collective`), or ``waiting_since`` (in the gradients' reduction with no gradient
+    since an abort), and its CPU time stands still over ``IDLE_PROBE`` (a thread that computes,
+    say a long backward pass between two gradients, is not blocked)."""
+    if not (waiting_since or in_collective(frame)):
+        return False
+    try:
+        clock = time.pthread_getcpuclockid(thread)
+        used = time.clock_gettime(clock)
+        time.sleep(IDLE_PROBE)
+        return time.clock_gettime(clock) - used < IDLE_PROBE / 10
+    except (OSError, AttributeError):  # the thread is gone; no per-thread clock here
+        return False
+
+
 class StepTimer:
     """Stamps each step's gradients and optimizer step; sums compute and wait per report."""
 
@@ -109,6 +129,14 @@ class StepTimer:
         self._compute = self._wait = 0.0
         self._steps = 0
         return compute, (wait if self.split else None)
+
+    def stuck(self, started: float, since: float) -> bool:
+        """Whether the training thread, in a step begun at ``started``, has been blocked waiting
+        for its peers since ``since`` (``perf_counter``: its group's abort): :func:`stuck`, with
+        the reduction counted only if the step's last gradient came before ``since``. A busy
+        GPU stream counts for nothing here (the CPU runs ahead of it all the time)."""
+        reducing = started <= self._grads_at < since and self._applied_at < self._grads_at
+        return stuck(self.thread, reducing, sys._current_frames().get(self.thread))
 
     def waiting(self, started: float) -> tuple[bool, str]:
         """Whether the training thread, in a step begun at ``started``, waits for its peers now,
