@@ -156,7 +156,7 @@ class Entered:
 class Moving:
     """The training thread took the plan of ``round``: it is out of its old group's
     collectives, an aborted group's too (its agent stops counting it as possibly stuck there,
-    ``agent/_moves.abort_bound``)."""
+    ``agent/_moves.abort_due``)."""
 
     round: int
     TYPE: ClassVar[str] = "moving"

@@ -194,9 +194,7 @@ def _on_assigned(node: Node, event: Assigned, now: float, rules: Rules) -> Resul
 
 def _entering_deadline(node: Node, rules: Rules) -> float:
     """When entering the group times out (``--switch-timeout``), or sooner, when a worker told
-    to abort its group has shown by then that it left it (:func:`abort_bound`)."""
-    mine = node.assignment
-    assert mine is not None
+    to abort its group that has not shown yet that it left it is due (:func:`abort_due`)."""
     return min([node.entering_since + rules.switch_timeout] +
                [abort_due(node.slots[lr]) for lr in unshown(node)])
 
