@@ -12,6 +12,7 @@ import pytest
 from rdzv._messages import (
     Broken,
     Entered,
+    Failed,
     Hello,
     Left,
     Moving,
@@ -359,6 +360,22 @@ ROWS = [
     ("workers that never connect do not use the API: the record says so",
      replace(running(), phase=Phase.SETTLING, gen=4, slots=(Slot(Worker.STARTING),),
              inprocess=None, deadline=NOW - 1), Tick(), Phase.AWAITING, ["record"]),
+    ("the run closed while the workers restarted in a new group (another node failed): they "
+     "cannot form it; it stops them and fails",
+     replace(running(), slots=(Slot(Worker.STARTING),)), Changed(3, closed=True),
+     Phase.EXITED, ["stop", "closed", "exit"]),
+    ("a worker that held the job's state cannot follow the plan: every worker restarts",
+     entering(), worker(Failed("ranks [1] hold another state than their source")),
+     Phase.FORMING, ["abort", "abandon", "join"]),
+    ("a newcomer's worker cannot take the job's state: its node leaves alone, with an error; "
+     "the run stays open and nobody restarts",
+     replace(entering(), joining=True, slots=(Slot(Worker.FRESH, join=True),)),
+     worker(Failed("the state received does not fit: size mismatch")), Phase.EXITED,
+     ["stop", "exit"]),
+    ("... also a crashed worker restarted alone, which now runs another program",
+     replace(running(), slots=(Slot(Worker.FRESH, join=True),)),
+     worker(Failed("the state received does not fit: size mismatch")), Phase.EXITED,
+     ["stop", "exit"]),
     ("the rendezvous closed under a spare: it leaves, its job done",
      Node(slots=(Slot(Worker.GONE),)), FormFailed("spare", "closed"), Phase.EXITED,
      ["spare_done", "exit"]),
@@ -600,6 +617,22 @@ def test_sigterm_to_a_newcomer_setting_up_is_its_notice_whatever_its_agent_hears
     # a worker that crashed in its set-up by itself is a crash still
     node, acts = step(one, Exited(0, 1), NOW, rules)
     assert "fail" in whats(acts)
+
+
+def test_a_node_that_cannot_hold_the_jobs_state_exits_1_and_says_why() -> None:
+    node = replace(entering(), joining=True, slots=(Slot(Worker.FRESH, join=True),))
+    _, acts = step(node, worker(Failed("the state received does not fit: size mismatch")),
+                   NOW, RULES)
+    said = " ".join(a.args[0] for a in acts if a.what == "say")
+    assert acts[-1].args == (1,) and "runs another program than the job's nodes" in said
+    assert "(the state received does not fit: size mismatch)" in said
+    # the run closed while its workers restarted: exit 1, where workers still to join exit 0
+    _, acts = step(replace(running(), slots=(Slot(Worker.STARTING),)), Changed(3, closed=True),
+                   NOW, RULES)
+    assert acts[-1].args == (1,)
+    _, acts = step(replace(running(), group=None, slots=(Slot(Worker.STARTING, join=True),)),
+                   Changed(3, closed=True), NOW, RULES)
+    assert acts[-1].args == (0,)
 
 
 def test_restarts_are_bounded_by_max_restarts() -> None:

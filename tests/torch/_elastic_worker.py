@@ -11,7 +11,10 @@ R's). ``--outside-at S --outside-seconds T``: at step S every rank spends T s ou
 group waits T s before it, as a slow import (a loaded machine, a shared file system) would;
 ``--join-seconds T``: likewise a worker started to join a running group. ``--finish-with W``:
 at ``--steps``, train on (up to ten times as many) until the world size is W (a test sees a
-newcomer join before the end, however long its start takes on a loaded machine). After every
+newcomer join before the end, however long its start takes on a loaded machine).
+``--model-width W``: the state also holds a ``Linear(W, 1)`` model (a node started with
+another width runs another program; ``--model-double``: in float64, which loads a float32
+state without an error, but holds another). After every
 change of group, and at the end, rank 0 prints whether every rank holds the same weights.
 """
 
@@ -43,12 +46,17 @@ def main() -> None:
     parser.add_argument("--import-seconds", type=float, default=0.0)
     parser.add_argument("--join-seconds", type=float, default=0.0)
     parser.add_argument("--finish-with", type=int, default=0)
+    parser.add_argument("--model-width", type=int, default=0)
+    parser.add_argument("--model-double", action="store_true")
     args = parser.parse_args()
     time.sleep(args.join_seconds if os.environ.get("RDZV_INPROCESS_JOIN") else
                args.import_seconds)
     weight = torch.zeros(4)
     rdzv.torch.init_process_group("gloo")
-    state = rdzv.torch.ElasticState(step=0, weight=weight)
+    model = torch.nn.Linear(args.model_width, 1) if args.model_width else None
+    if model is not None and args.model_double:
+        model = model.double()
+    state = rdzv.torch.ElasticState(model=model, step=0, weight=weight)
     stalled = perturbed = False
 
     @state.on_change

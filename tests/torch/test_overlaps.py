@@ -12,7 +12,9 @@ server: the three failure modes of issue 22, each resolved in-process, at once, 
 * a node stopped (agent and workers) while every worker starts: the others restart theirs at
   once in a group without it, not after the connect timeout;
 * a node lost while a worker of another is stuck where the abort does not reach it (gloo can
-  wait on a closed peer): its agent leaves it out, and the others recover without it at once.
+  wait on a closed peer): its agent leaves it out, and the others recover without it at once;
+* a newcomer whose program cannot hold the job's state: it leaves with an error, the others
+  recover without it in-process (no restart, the run stays open).
 """
 
 from __future__ import annotations
@@ -324,3 +326,33 @@ def test_a_worker_stuck_in_the_aborted_group_is_left_out_of_the_recovery(
     assert "restarting the workers" not in outputs, outputs[-12000:]
     assert "world size 2" in first.output().split("world size 1")[-1], first.output()[-6000:]
     assert "DIFFERENT" not in outputs and "done: 200 steps" in first.output(), outputs[-12000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("other", [
+    ["--model-width", "5"],  # its model cannot load the job's state: an error in the load
+    ["--model-width", "4", "--model-double"],  # it loads it, but holds another state then
+], ids=["another-shape", "another-dtype"])
+def test_a_newcomer_running_another_program_leaves_alone(launcher: Launcher, tmp_path: Path,
+                                                         other: list[str]) -> None:
+    """A node joins with another model than the job's (a stale image, a changed script): it
+    cannot take the job's state. It leaves with an error that says so; the job goes on without
+    it, in-process, and finishes. It used to make every node restart its workers (the
+    fallback) until the newcomer ran out of restarts, whose failure closed the run: the others
+    then exited 0 with the job unfinished."""
+    port = serve(launcher)
+    program = [WORKER, "--steps", "500", "--step-sleep", "0.03"]
+    first, second = (launcher.start(agent_args(tmp_path / name, port, [
+        *program, "--model-width", "4"])) for name in ("a", "b"))
+    wait_for(lambda: "round complete: 2 node(s)" in first.output(), PHASE_TIMEOUT, "the job")
+    newcomer = launcher.start(agent_args(tmp_path / "c", port, [*program, *other]))
+    assert newcomer.wait(PHASE_TIMEOUT) == 1, newcomer.output()[-8000:]
+    said = newcomer.output()
+    assert "local rank 0 cannot take the job's training state (" in said, said[-8000:]
+    assert "this node runs another program than the job's nodes" in said, said[-8000:]
+    codes = [node.wait(PHASE_TIMEOUT) for node in (first, second)]
+    outputs = first.output() + second.output()
+    assert codes == [0, 0], outputs[-12000:]
+    assert "recovered in-process" in outputs and "restarting" not in outputs, outputs[-12000:]
+    assert started_once(first) and started_once(second), outputs[-12000:]
+    assert "DIFFERENT" not in outputs and "done: 500 steps" in outputs, outputs[-12000:]

@@ -235,6 +235,11 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     if event.closed:
         if phase is Phase.FINISHED:
             return exit_with(node, 0, act("succeed"))
+        if phase is Phase.RUNNING and any(s.state is Worker.STARTING and not s.join
+                                          for s in node.slots):
+            return exit_with(node, 1, act("stop", signals.SIGTERM), act(
+                "closed", "while this node's workers started in a new group, which cannot "
+                          "form without the other nodes"))
         if phase is Phase.RUNNING and outside(node):  # workers started to join it
             return _ended_without_it(node)
         if phase is Phase.RUNNING:

@@ -121,6 +121,8 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
                                        "exiting"), act("let_go"))
         return node, []
     if isinstance(message, Failed):
+        if slot.state is Worker.FRESH:  # it never held the job's state: it cannot take it
+            return misfit(node, lr, message.error)
         return after_failure(node, f"a worker cannot follow the plan: {message.error}", now,
                               rules)
     if isinstance(message, Shards):
@@ -128,6 +130,17 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
     if isinstance(message, Term):
         return worker_notice(node, signals.SIGTERM, now, rules)
     return node, []  # Closed: its exit follows
+
+
+def misfit(node: Node, lr: int, error: str) -> Result:
+    """A worker started without state (a newcomer, a crashed worker restarted) cannot take the
+    job's state: this node runs another program than the job's (another model, a stale image).
+    Restarting would not change that: the node leaves with an error, and the job goes on
+    without it (the others lose a member; no restart anywhere, the rendezvous stays open)."""
+    return exit_with(node, 1, act("stop", signals.SIGTERM), say(
+        f"local rank {lr} cannot take the job's training state ({error}): this node runs "
+        "another program than the job's nodes (another model or optimizer, another version?); "
+        "it leaves the job, which goes on without it"))
 
 
 def worker_notice(node: Node, signum: int, now: float, rules: Rules, *before: Act) -> Result:

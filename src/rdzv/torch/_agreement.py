@@ -22,13 +22,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import RendezvousStateError
+from ._group import GroupLost
+from ._statesync import encode_tree, receive_state, send_state
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,15 @@ STRIDE = 97
 MIX = 0x9E3779B97F4A7C15
 """An odd 64-bit constant: tensor i's sums are weighted by MIX**(i+1), so that values moving
 between tensors change the digest."""
+
+
+class StateMismatch(RendezvousStateError):
+    """The workers of a group cannot be brought to one state: the message says why, for the
+    worker's error; ``report`` in a line, for its agent."""
+
+    def __init__(self, message: str, report: str) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass(frozen=True)
@@ -164,3 +176,67 @@ def gather_holdings(step: int, fresh: bool, digest: tuple[int, int, int],
         step, fresh_flag, d0, d1, d2 = (int(v) for v in row)
         holdings.append(Holding(step, bool(fresh_flag), (d0 & MASK, d1 & MASK, d2 & MASK)))
     return holdings
+
+
+@dataclass(frozen=True)
+class Reached:
+    """How one worker came to hold its group's state."""
+
+    received: bool
+    """It received the state from its source (else it held it already, or nobody holds one)."""
+    agreed: float
+    """When the group last agreed on it (``time.perf_counter()``)."""
+
+
+def _digest(tree: Any) -> tuple[int, int, int]:
+    return state_digest(*encode_tree(tree))
+
+
+def reach_one_state(step: int, fresh: bool, decided: int | None, *,
+                    tree: Callable[[], Any], load: Callable[[Any], int], shards: int,
+                    device: torch.device) -> Reached:
+    """Bring every worker of the current group to one state (a collective of the group): gather
+    the holdings, follow :func:`agree` (``decided``: the agents' source; ``shards``: the parts
+    each node holds), send the source's state (``tree()``) to the workers that hold another,
+    which ``load`` it (returning its step), and compare the digests again. ``StateMismatch``
+    when no state can be agreed on, or this worker, or a receiver that held a state, still
+    differs from its source; ``GroupLost`` on the others when only newcomers differ (their
+    program cannot hold the job's state: they leave, and the group recovers without them)."""
+    holdings = gather_holdings(step, fresh, (0, 0, 0) if fresh else _digest(tree()), device)
+    try:
+        agreement = agree(holdings, decided, shards)
+    except RendezvousStateError as exc:
+        raise StateMismatch(f"the group cannot agree on one state: {exc}", str(exc)) from exc
+    if not agreement.sources or not any(agreement.receivers):
+        return Reached(False, time.perf_counter())
+    odd = divergent(holdings, agreement)
+    if odd:
+        sources = agreement.sources
+        named = f"rank {sources[0]}" if len(sources) == 1 else f"their sources (ranks {sources})"
+        logger.warning("ranks %s held other parameters than %s at step %d: they receive its "
+                       "state", odd, named, step)
+    me = dist.get_rank()  # in the new group (this worker's rank changes with it)
+    source = agreement.source_of(me)
+    receivers = list(agreement.receivers_of(me))
+    received = me in receivers
+    digest = holdings[me].digest
+    if me == source and receivers:
+        sent = send_state(tree(), receivers, device)
+        logger.info("sent %d bytes of state to ranks %s", sent, receivers)
+    elif received:
+        step = load(receive_state(source, device))
+        digest = _digest(tree())
+    after = gather_holdings(step, False, digest, device)
+    differ = [rank for rank, h in enumerate(after) if (h.step, h.digest) != (
+        after[agreement.source_of(rank)].step, after[agreement.source_of(rank)].digest)]
+    if differ and me not in differ and all(holdings[rank].fresh for rank in differ):
+        raise GroupLost(f"newcomer ranks {differ} cannot hold the job's state (another "
+                        "program?): the group goes on without them")
+    if differ:
+        raise StateMismatch(
+            f"ranks {differ} still hold another state than their source (ranks "
+            f"{agreement.sources}) after receiving it (before: {holdings}; after: {after}): is "
+            "every node running the same program?",
+            f"ranks {differ} hold another state than their source (ranks {agreement.sources}) "
+            "after receiving it")
+    return Reached(received, time.perf_counter())

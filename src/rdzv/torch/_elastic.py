@@ -46,8 +46,8 @@ from .._messages import (
     Shards,
     Where,
 )
-from ..errors import RendezvousParameterError, RendezvousStateError
-from ._agreement import agree, divergent, gather_holdings, state_digest
+from ..errors import RendezvousParameterError
+from ._agreement import StateMismatch, reach_one_state
 from ._group import (
     AgentLink,
     GroupLost,
@@ -61,7 +61,6 @@ from ._group import (
     leave_group,
     provisional,
 )
-from ._statesync import encode_tree, receive_state, send_state
 from ._steptime import StepTimer, mean_step
 
 if TYPE_CHECKING:
@@ -403,54 +402,20 @@ class ElasticState:
         self._link.send(Broken(self.step, fresh=fresh, round=round_, error=first_line(exc)))
 
     def _agree(self, decided: int | None, fresh: bool) -> bool:
-        """Bring every worker of the current group to one state (see ``_agreement``), from
-        the ``decided`` source if it holds the most advanced one; whether this worker received
-        it."""
-        device = self._device()
+        """Bring every worker of the current group to one state (``reach_one_state``), from the
+        ``decided`` source if it holds the most advanced one; whether this worker received it."""
         try:
             if self._shards is not None:
                 self._shards.enter()
-            digest = (0, 0, 0) if fresh else state_digest(*encode_tree(self._tree()))
-            holdings = gather_holdings(self.step, fresh, digest, device)
-            agreement = agree(holdings, decided, self._shards.node.size if self._shards else 1)
-        except RendezvousStateError as exc:
+            reached = reach_one_state(self.step, fresh, decided, tree=self._tree, load=self._load,
+                                      shards=self._shards.node.size if self._shards else 1,
+                                      device=self._device())
+        except StateMismatch as exc:
             assert self._link is not None
-            self._link.send(Failed(str(exc)))
-            raise SwitchError(f"the group cannot agree on one state: {exc}") from exc
-        self._agreed = time.perf_counter()
-        if not agreement.sources:
-            return False
-        odd = divergent(holdings, agreement)
-        if odd:
-            sources = agreement.sources
-            named = f"rank {sources[0]}" if len(sources) == 1 else f"their sources (ranks {sources})"
-            logger.warning("ranks %s held other parameters than %s at step %d: they receive its "
-                           "state", odd, named, self.step)
-        if not any(agreement.receivers):
-            return False
-        me = dist.get_rank()  # in the new group (this worker's rank changes with it)
-        source = agreement.source_of(me)
-        receivers = list(agreement.receivers_of(me))
-        received = me in receivers
-        if me == source and receivers:
-            sent = send_state(self._tree(), receivers, device)
-            logger.info("sent %d bytes of state to ranks %s", sent, receivers)
-        elif received:
-            self._apply(receive_state(source, device))
-            digest = state_digest(*encode_tree(self._tree()))
-        after = gather_holdings(self.step, False, digest, device)
-        self._agreed = time.perf_counter()
-        differ = [rank for rank, h in enumerate(after) if (h.step, h.digest) != (
-            after[agreement.source_of(rank)].step, after[agreement.source_of(rank)].digest)]
-        if differ:
-            assert self._link is not None
-            self._link.send(Failed(f"ranks {differ} hold another state than their source "
-                                   f"(ranks {agreement.sources}) after receiving it"))
-            raise SwitchError(f"ranks {differ} still hold another state than their source "
-                              f"(ranks {agreement.sources}) after receiving it (before: "
-                              f"{holdings}; after: {after}): is every node running the same "
-                              "program?")
-        return received
+            self._link.send(Failed(exc.report))
+            raise SwitchError(str(exc)) from exc
+        self._agreed = reached.agreed
+        return reached.received
 
     def _entered(self, plan: Plan, started: float, received: bool,
                  callbacks: bool = True) -> None:
@@ -494,7 +459,8 @@ class ElasticState:
                 "model": dict(self.model.state_dict()) if self.model is not None else None,
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
-    def _apply(self, tree: Any) -> None:
+    def _load(self, tree: Any) -> int:
+        """Take the state received from a peer; its step."""
         try:
             if self._shards is not None:
                 self._shards.apply(tree)
@@ -506,11 +472,11 @@ class ElasticState:
             self.values.clear()
             self.values.update(tree["values"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            assert self._link is not None
-            self._link.send(Failed(f"the state received does not fit: {exc}"))
-            raise SwitchError(f"the state received from a peer does not fit this worker's model "
-                              f"and optimizer (is every node running the same program?): "
-                              f"{exc}") from exc
+            raise StateMismatch(f"the state received from a peer does not fit this worker's "
+                                f"model and optimizer (is every node running the same "
+                                f"program?): {exc}", f"the state received does not fit: {exc}"
+                                ) from exc
+        return self.step
 
     def _device(self) -> torch.device:
         if self._backend == "nccl":
