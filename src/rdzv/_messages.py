@@ -171,6 +171,8 @@ class Left:
 @dataclass(frozen=True)
 class Failed:
     error: str
+    misfit: bool = False
+    """The worker cannot hold the job's state (its model or optimizer is not the job's)."""
     TYPE: ClassVar[str] = "failed"
 
 

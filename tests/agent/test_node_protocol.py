@@ -53,6 +53,7 @@ from rdzv.agent._rules import step
 RULES = Rules(nproc=1, max_restarts=3, switch_timeout=60.0, leave_grace=30.0, min_nodes=1)
 CONNECT_GRACE = RULES.connect_grace
 NOW = 1000.0
+MISFIT = Failed("the state received does not fit: size mismatch", misfit=True)
 
 
 def running(gen: int = 3, group_rank: int = 1, nodes: int = 3, step_: int = 40,
@@ -370,12 +371,14 @@ ROWS = [
     ("a newcomer's worker cannot take the job's state: its node leaves alone, with an error; "
      "the run stays open and nobody restarts",
      replace(entering(), joining=True, slots=(Slot(Worker.FRESH, join=True),)),
-     worker(Failed("the state received does not fit: size mismatch")), Phase.EXITED,
-     ["stop", "exit"]),
+     worker(MISFIT), Phase.EXITED, ["stop", "exit"]),
+    ("a newcomer's worker in a group whose states are beyond agreement: every worker restarts",
+     replace(entering(), joining=True, slots=(Slot(Worker.FRESH, join=True),)),
+     worker(Failed("no node holds every part of the state at one step")), Phase.FORMING,
+     ["abort", "abandon", "join"]),
     ("... also a crashed worker restarted alone, which now runs another program",
      replace(running(), slots=(Slot(Worker.FRESH, join=True),)),
-     worker(Failed("the state received does not fit: size mismatch")), Phase.EXITED,
-     ["stop", "exit"]),
+     worker(MISFIT), Phase.EXITED, ["stop", "exit"]),
     ("the rendezvous closed under a spare: it leaves, its job done",
      Node(slots=(Slot(Worker.GONE),)), FormFailed("spare", "closed"), Phase.EXITED,
      ["spare_done", "exit"]),
@@ -621,8 +624,7 @@ def test_sigterm_to_a_newcomer_setting_up_is_its_notice_whatever_its_agent_hears
 
 def test_a_node_that_cannot_hold_the_jobs_state_exits_1_and_says_why() -> None:
     node = replace(entering(), joining=True, slots=(Slot(Worker.FRESH, join=True),))
-    _, acts = step(node, worker(Failed("the state received does not fit: size mismatch")),
-                   NOW, RULES)
+    _, acts = step(node, worker(MISFIT), NOW, RULES)
     said = " ".join(a.args[0] for a in acts if a.what == "say")
     assert acts[-1].args == (1,) and "runs another program than the job's nodes" in said
     assert "(the state received does not fit: size mismatch)" in said

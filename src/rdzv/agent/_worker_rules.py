@@ -121,7 +121,7 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
                                        "exiting"), act("let_go"))
         return node, []
     if isinstance(message, Failed):
-        if slot.state is Worker.FRESH:  # it never held the job's state: it cannot take it
+        if message.misfit and slot.state is Worker.FRESH:  # (it never held the job's state)
             return misfit(node, lr, message.error)
         return after_failure(node, f"a worker cannot follow the plan: {message.error}", now,
                               rules)

@@ -45,11 +45,14 @@ between tensors change the digest."""
 
 class StateMismatch(RendezvousStateError):
     """The workers of a group cannot be brought to one state: the message says why, for the
-    worker's error; ``report`` in a line, for its agent."""
+    worker's error; ``report`` in a line, for its agent; ``misfit``: this worker cannot hold
+    the state it received (its program is not the job's), rather than the group's states
+    being beyond agreement."""
 
-    def __init__(self, message: str, report: str) -> None:
+    def __init__(self, message: str, report: str, misfit: bool = False) -> None:
         super().__init__(message)
         self.report = report
+        self.misfit = misfit
 
 
 @dataclass(frozen=True)
@@ -238,5 +241,5 @@ def reach_one_state(step: int, fresh: bool, decided: int | None, *,
             f"{agreement.sources}) after receiving it (before: {holdings}; after: {after}): is "
             "every node running the same program?",
             f"ranks {differ} hold another state than their source (ranks {agreement.sources}) "
-            "after receiving it")
+            "after receiving it", misfit=me in differ)
     return Reached(received, time.perf_counter())

@@ -412,7 +412,7 @@ class ElasticState:
                                       device=self._device())
         except StateMismatch as exc:
             assert self._link is not None
-            self._link.send(Failed(exc.report))
+            self._link.send(Failed(exc.report, exc.misfit))
             raise SwitchError(str(exc)) from exc
         self._agreed = reached.agreed
         return reached.received
@@ -474,8 +474,8 @@ class ElasticState:
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise StateMismatch(f"the state received from a peer does not fit this worker's "
                                 f"model and optimizer (is every node running the same "
-                                f"program?): {exc}", f"the state received does not fit: {exc}"
-                                ) from exc
+                                f"program?): {exc}", f"the state received does not fit: {exc}",
+                                misfit=True) from exc
         return self.step
 
     def _device(self) -> torch.device:
