@@ -635,6 +635,15 @@ def test_a_node_that_cannot_hold_the_jobs_state_exits_1_and_says_why() -> None:
     _, acts = step(replace(running(), group=None, slots=(Slot(Worker.STARTING, join=True),)),
                    Changed(3, closed=True), NOW, RULES)
     assert acts[-1].args == (0,)
+    # a program without the API (its workers never connect) is not taken for one that starts
+    # or joins: the closed run waits for them to end, and their exit says how it went
+    node, acts = step(replace(running(), inprocess=False, slots=(Slot(Worker.STARTING),)),
+                      Changed(3, closed=True), NOW, RULES)
+    assert node.phase is Phase.RUNNING and whats(acts) == []
+    # the node that serves the store cannot leave the others without it: the run fails
+    node = replace(entering(), joining=True, slots=(Slot(Worker.FRESH, join=True),))
+    _, acts = step(node, worker(MISFIT), NOW, replace(RULES, hosts_store=True))
+    assert whats(acts) == ["stop", "fail", "exit"] and acts[-1].args == (1,)
 
 
 def test_restarts_are_bounded_by_max_restarts() -> None:

@@ -235,13 +235,13 @@ def _on_changed(node: Node, event: Changed, now: float, rules: Rules) -> Result:
     if event.closed:
         if phase is Phase.FINISHED:
             return exit_with(node, 0, act("succeed"))
-        if phase is Phase.RUNNING and any(s.state is Worker.STARTING and not s.join
-                                          for s in node.slots):
+        if phase is Phase.RUNNING and _starting_in_group(node, now, rules):
             return exit_with(node, 1, act("stop", signals.SIGTERM), act(
                 "closed", "while this node's workers started in a new group, which cannot "
                           "form without the other nodes"))
-        if phase is Phase.RUNNING and outside(node):  # workers started to join it
-            return _ended_without_it(node)
+        if phase is Phase.RUNNING and outside(node) and not any(
+                s.state is Worker.STARTING and not s.join for s in node.slots):
+            return _ended_without_it(node)  # (workers started to join it, or none runs)
         if phase is Phase.RUNNING:
             return node, [say("the rendezvous was closed by another node; waiting for this "
                                "node's workers to finish")]

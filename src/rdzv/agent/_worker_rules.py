@@ -122,7 +122,7 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
         return node, []
     if isinstance(message, Failed):
         if message.misfit and slot.state is Worker.FRESH:  # (it never held the job's state)
-            return misfit(node, lr, message.error)
+            return misfit(node, lr, message.error, rules)
         return after_failure(node, f"a worker cannot follow the plan: {message.error}", now,
                               rules)
     if isinstance(message, Shards):
@@ -132,15 +132,20 @@ def on_worker(node: Node, event: FromWorker, now: float, rules: Rules) -> Result
     return node, []  # Closed: its exit follows
 
 
-def misfit(node: Node, lr: int, error: str) -> Result:
+def misfit(node: Node, lr: int, error: str, rules: Rules) -> Result:
     """A worker started without state (a newcomer, a crashed worker restarted) cannot take the
     job's state: this node runs another program than the job's (another model, a stale image).
     Restarting would not change that: the node leaves with an error, and the job goes on
-    without it (the others lose a member; no restart anywhere, the rendezvous stays open)."""
-    return exit_with(node, 1, act("stop", signals.SIGTERM), say(
-        f"local rank {lr} cannot take the job's training state ({error}): this node runs "
-        "another program than the job's nodes (another model or optimizer, another version?); "
-        "it leaves the job, which goes on without it"))
+    without it (the others lose a member; no restart anywhere, the rendezvous stays open).
+    Unless the node serves the store, which the others cannot do without: the run fails."""
+    why = (f"local rank {lr} cannot take the job's training state ({error}): this node runs "
+           "another program than the job's nodes (another model or optimizer, another "
+           "version?)")
+    if rules.hosts_store and node.nodes > 1:
+        return fail(node, f"{why}; it serves the rendezvous store (is_host), without which "
+                          "the others cannot go on")
+    return exit_with(node, 1, act("stop", signals.SIGTERM),
+                     say(f"{why}; it leaves the job, which goes on without it"))
 
 
 def worker_notice(node: Node, signum: int, now: float, rules: Rules, *before: Act) -> Result:
