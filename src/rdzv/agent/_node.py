@@ -458,12 +458,7 @@ class NodeRun:
     def _act_succeed(self) -> None:
         self.crew.stop(signal.SIGTERM, self.config.stop_timeout)
         self._close("workers_succeeded")
-        if self.info is not None:
-            try:
-                self.watches.stop_round()  # (its membership watch would share the client)
-                wait_until_others_left(self.info, self.handler, LEAVE_TIMEOUT)
-            except RendezvousError as exc:
-                logger.warning("cannot wait for the other nodes to leave: %s", exc)
+        self._let_others_leave()
         ran = any(s.state is Worker.DONE for s in self.node.slots)  # (not: came as it ended)
         self.agent.say("every node has finished" + ("; this node's workers succeeded" if ran
                                                       else ""))
@@ -476,10 +471,24 @@ class NodeRun:
             except RendezvousError as exc:
                 logger.warning("cannot mark this node as finished: %s", exc)
         self._close("workers_failed")
+        self._let_others_leave()
 
     def _act_closed(self, message: str) -> None:
         self.agent.say(f"the rendezvous is closed, the run has ended on the other nodes "
                        f"({message})")
+        self._let_others_leave()
+
+    def _let_others_leave(self) -> None:
+        """On the node serving the store, as the run ends: the others leave through it, and
+        learn through it that it ended (a store gone first holds each for its read timeout,
+        then tells it only that the store is gone); bounded by ``LEAVE_TIMEOUT``."""
+        if self.info is None:
+            return
+        try:
+            self.watches.stop_round()  # (its membership watch would share the client)
+            wait_until_others_left(self.info, self.handler, LEAVE_TIMEOUT)
+        except RendezvousError as exc:
+            logger.warning("cannot wait for the other nodes to leave: %s", exc)
 
     def _act_spare_done(self) -> None:
         self.agent.say("the job finished without needing this spare node")
