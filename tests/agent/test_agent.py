@@ -201,6 +201,30 @@ def test_the_node_serving_the_store_stops_at_once(agents: Any, rdzv: Any) -> Non
     assert time.monotonic() - signalled < 4 * 3, time.monotonic() - signalled
 
 
+def test_a_failing_node_serving_the_store_waits_for_the_others_and_a_signal_ends_it(
+        agents: Any, rdzv: Any, tmp_path: Any) -> None:
+    """The run fails on the node serving the store while the other node's workers (without the
+    in-process API) run on: it says that it waits for the others to leave through its store,
+    and a signal ends that wait at once."""
+    if rdzv.backend != "tcp":
+        pytest.skip("only the tcp backend has a node that serves the store")
+    trigger = tmp_path / "fail"
+    args = rdzv.args("2:2", 1, "--max-restarts", "0") + rdzv.worker(
+        "--until", rdzv.stop_file, "--fail-rank", "0", "--fail-when", str(trigger))
+    nodes = rdzv.start(agents, 2, args)  # the first serves the store (rank 0)
+    rdzv.running(2)
+    trigger.touch()
+    wait_for(lambda: "waiting up to 30 s for the other nodes to see that the run ended" in
+             nodes[0].output(), 60, "the host's wait")
+    signalled = time.monotonic()
+    nodes[0].signal(signal.SIGINT)
+    assert nodes[0].wait(30) == 1, nodes[0].output()
+    assert time.monotonic() - signalled < 10, nodes[0].output()  # not the wait's 30 s
+    assert "rdzv run failed" in nodes[0].output(), nodes[0].output()
+    rdzv.stop()
+    nodes[1].wait(60)
+
+
 def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -122,6 +122,8 @@ class ElasticAgent:
         """The rendezvous store could not be reached for its whole timeout."""
         self.signalled = False
         """A signal asked this node to leave or stop (scancel, a preemption, Ctrl-C...)."""
+        self.signals = 0
+        """How many signals came (a wait that a new one ends compares counts)."""
         self.template: WorkerTemplate | None = None
         """The worker template (``--preload``) the workers are forked from, while it runs."""
 
@@ -152,6 +154,7 @@ class ElasticAgent:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.signalled = True
+        self.signals += 1
         self.events.put(Signalled(signum))  # SimpleQueue.put is safe in a signal handler
 
     # -- running ----------------------------------------------------------------------------------

@@ -471,22 +471,29 @@ class NodeRun:
             except RendezvousError as exc:
                 logger.warning("cannot mark this node as finished: %s", exc)
         self._close("workers_failed")
-        self._let_others_leave()
+        self._let_others_leave(announce=True)
 
     def _act_closed(self, message: str) -> None:
         self.agent.say(f"the rendezvous is closed, the run has ended on the other nodes "
                        f"({message})")
-        self._let_others_leave()
+        self._let_others_leave(announce=True)
 
-    def _let_others_leave(self) -> None:
+    def _let_others_leave(self, announce: bool = False) -> None:
         """On the node serving the store, as the run ends: the others leave through it, and
         learn through it that it ended (a store gone first holds each for its read timeout,
-        then tells it only that the store is gone); bounded by ``LEAVE_TIMEOUT``."""
+        then tells it only that the store is gone); bounded by ``LEAVE_TIMEOUT``, ended by a
+        signal; ``announce``: say so (a failed run's others may take a while)."""
         if self.info is None:
             return
+        if announce and self.node.nodes > 1 and hosts_store(self.info.store):
+            self.agent.say(f"this node serves the rendezvous store: waiting up to "
+                           f"{LEAVE_TIMEOUT:g} s for the other nodes to see that the run ended "
+                           "and leave (a signal stops the wait)")
+        signals = self.agent.signals
         try:
             self.watches.stop_round()  # (its membership watch would share the client)
-            wait_until_others_left(self.info, self.handler, LEAVE_TIMEOUT)
+            wait_until_others_left(self.info, self.handler, LEAVE_TIMEOUT,
+                                   stop=lambda: self.agent.signals != signals)
         except RendezvousError as exc:
             logger.warning("cannot wait for the other nodes to leave: %s", exc)
 

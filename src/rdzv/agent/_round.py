@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..rendezvous import (
     AGENT_ALIVE,
@@ -24,6 +24,8 @@ from ..store import Store
 
 logger = logging.getLogger(__name__)
 
+STOP_POLL = 0.5
+"""The longest single wait of :func:`wait_until_others_left` before it looks for a signal."""
 HEARTBEAT_EVERY = 5.0
 """Seconds between refreshes of a node's ``AGENT_ALIVE`` entry while its workers run."""
 
@@ -70,13 +72,13 @@ def hosts_store(store: Store) -> bool:
 
 
 def wait_until_others_left(info: RendezvousInfo, handler: RendezvousHandler,
-                           timeout: float) -> None:
+                           timeout: float, stop: Callable[[], bool] = lambda: False) -> None:
     """On the node serving the store: wait (at most ``timeout`` s in all) until the sessions of
     the round's other nodes have ended, since they still use the store until they leave; then,
     if the run is closed, until no node waits for a next round: a spare learns of the close in
     the store and leaves, and a store gone before it looked would hold it for the store's whole
     read timeout, then leave it unsure whether the job had ended. Real waits on the store: the
-    system's clock."""
+    system's clock, in slices of at most ``STOP_POLL`` s: ``stop()`` (a signal came) ends it."""
     store = info.store
     if not hosts_store(store):
         return
@@ -90,12 +92,16 @@ def wait_until_others_left(info: RendezvousInfo, handler: RendezvousHandler,
         if remaining <= 0:
             logger.warning("not every node left within %.3g s", timeout)
             return
-        store.watch(AGENT_ALIVE, since, remaining)
+        if stop():
+            return
+        store.watch(AGENT_ALIVE, since, min(remaining, STOP_POLL))
     if not handler.is_closed():
         return
     since = 0
     while True:
-        seen = handler.membership(since, max(0.0, deadline - time.monotonic()))
+        if stop():
+            return
+        seen = handler.membership(since, min(STOP_POLL, max(0.0, deadline - time.monotonic())))
         if seen is None or seen[0].waiting == 0:  # (None: a backend without counts)
             return
         if time.monotonic() >= deadline:

@@ -475,7 +475,7 @@ class ElasticState:
             raise StateMismatch(f"the state received from a peer does not fit this worker's "
                                 f"model and optimizer (is every node running the same "
                                 f"program?): {exc}", f"the state received does not fit: {exc}",
-                                misfit=not isinstance(exc, torch.OutOfMemoryError)) from exc
+                                misfit=not isinstance(exc, torch.cuda.OutOfMemoryError)) from exc
         return self.step
 
     def _device(self) -> torch.device:
