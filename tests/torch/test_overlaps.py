@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import signal
 from pathlib import Path
 from typing import Any
@@ -356,3 +357,6 @@ def test_a_newcomer_running_another_program_leaves_alone(launcher: Launcher, tmp
     assert "recovered in-process" in outputs and "restarting" not in outputs, outputs[-12000:]
     assert started_once(first) and started_once(second), outputs[-12000:]
     assert "DIFFERENT" not in outputs and "done: 500 steps" in outputs, outputs[-12000:]
+    history = subprocess.run([PYTHON, "-m", "rdzv", "status", f"tcp://127.0.0.1:{port}/job",
+                              "--events"], capture_output=True, text=True, timeout=60).stdout
+    assert "refused: local rank 0 cannot take the job's training state (" in history, history

@@ -141,10 +141,13 @@ def misfit(node: Node, lr: int, error: str, rules: Rules) -> Result:
     why = (f"local rank {lr} cannot take the job's training state ({error}): this node runs "
            "another program than the job's nodes (another model or optimizer, another "
            "version?)")
+    refused = act("event", "node_refused", {"local_rank": lr,
+                                            "error": error.splitlines()[0][:200]})
     if rules.hosts_store and node.nodes > 1:
-        return fail(node, f"{why}; it serves the rendezvous store (is_host), without which "
-                          "the others cannot go on")
-    return exit_with(node, 1, act("stop", signals.SIGTERM),
+        moved, acts = fail(node, f"{why}; it serves the rendezvous store (is_host), without "
+                                 "which the others cannot go on")
+        return moved, [refused, *acts]
+    return exit_with(node, 1, refused, act("stop", signals.SIGTERM),
                      say(f"{why}; it leaves the job, which goes on without it"))
 
 

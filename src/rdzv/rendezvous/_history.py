@@ -54,6 +54,7 @@ EVENT_KINDS = (
     "spare_waiting",
     "node_leaving",
     "node_lost",
+    "node_refused",
     "workers_started",
     "worker_failed",
     "workers_restarted",

@@ -106,6 +106,9 @@ _TEXT: dict[str, Callable[[RunEvent], str]] = {
                             f"{_reason(e.fields.get('reason'))}, silent "
                             f"{format_seconds(e.fields.get('silent_s'))}; seen by "
                             f"{short_node(e.node)}"),
+    "node_refused": lambda e: (f"{short_node(e.node)} refused: local rank "
+                               f"{e.fields.get('local_rank', '?')} cannot take the job's "
+                               f"training state ({e.fields.get('error', '?')})"),
     "workers_started": lambda e: (f"{short_node(e.node)} started {e.fields.get('nproc', '?')} "
                                   f"worker(s) (group rank {e.fields.get('group_rank', '?')}, "
                                   f"restarts {e.fields.get('restarts', 0)})"),
