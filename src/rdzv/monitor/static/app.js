@@ -11,7 +11,8 @@ const SVG = "http://www.w3.org/2000/svg";
 // Each kind of event: its colour on the chart and in the table.
 const KIND_COLOURS = {
   round_formed: "#2f6fde", node_waiting: "#1f9d55", spare_waiting: "#1f9d55",
-  node_leaving: "#d58a00", node_lost: "#d64545", node_refused: "#d64545", workers_started: "#8a94a3", workers_restarted: "#d58a00",
+  node_leaving: "#d58a00", node_lost: "#d64545", node_refused: "#d64545",
+  workers_started: "#8a94a3", workers_restarted: "#d58a00",
   worker_failed: "#d64545", training_paused: "#d58a00", switched_in_process: "#7a4fd0",
   recovered_in_process: "#7a4fd0", run_closed: "#1d2430", worker_hung: "#d64545",
   straggler_flagged: "#d58a00", straggler_cleared: "#1f9d55", straggler_replaced: "#d58a00",
@@ -19,8 +20,8 @@ const KIND_COLOURS = {
 const LOSS_REASONS = new Set(["connection_lost", "heartbeat_missed"]);
 // Events drawn across the chart; the others (workers started, pauses...) as ticks at its foot.
 const MAJOR = new Set(["round_formed", "node_waiting", "spare_waiting", "node_leaving",
-  "node_lost", "node_refused", "worker_failed", "workers_restarted", "worker_hung", "straggler_replaced",
-  "run_closed"]);
+  "node_lost", "node_refused", "worker_failed", "workers_restarted", "worker_hung",
+  "straggler_replaced", "run_closed"]);
 
 const view = { runs: [], selected: null, events: [], nextSeq: 0, samples: [], tick: 0,
   status: null, shownEvents: -1 };
