@@ -120,10 +120,9 @@ class ElasticAgent:
         """When this agent started (wall time: what ``rdzv status`` shows as *up*)."""
         self.store_gone = False
         """The rendezvous store could not be reached for its whole timeout."""
-        self.signalled = False
-        """A signal asked this node to leave or stop (scancel, a preemption, Ctrl-C...)."""
         self.signals = 0
-        """How many signals came (a wait that a new one ends compares counts)."""
+        """How many signals asked this node to leave or stop (scancel, a preemption, Ctrl-C...):
+        a wait that a new one ends compares counts."""
         self.template: WorkerTemplate | None = None
         """The worker template (``--preload``) the workers are forked from, while it runs."""
 
@@ -153,7 +152,6 @@ class ElasticAgent:
                 signal.signal(signum, handler)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.signalled = True
         self.signals += 1
         self.events.put(Signalled(signum))  # SimpleQueue.put is safe in a signal handler
 
@@ -193,7 +191,7 @@ class ElasticAgent:
                  "forked from it")
         began = self.clock.monotonic()
         deadline = began + self.config.worker_connect_timeout
-        while not template.settled(TEMPLATE_POLL) and not self.signalled \
+        while not template.settled(TEMPLATE_POLL) and not self.signals \
                 and self.clock.monotonic() < deadline:
             pass
         if template.usable():
@@ -250,7 +248,7 @@ class ElasticAgent:
         (the peers see this node's session end anyway)."""
         if self.store_gone:  # leaving would only wait on it, for its timeout
             return
-        if not self.signalled:
+        if not self.signals:
             self._leave()
             return
         leaving = threading.Thread(target=self._leave, name="rdzv-leave", daemon=True)

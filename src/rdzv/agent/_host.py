@@ -30,9 +30,9 @@ class NodeHost(Protocol):
     events: queue.SimpleQueue[Any]
     """Where the workers' exits, their messages and signals are posted."""
     store_gone: bool
+    """Set by the run when the rendezvous store could not be reached for its whole timeout."""
     signals: int
     """How many signals the agent received so far."""
-    """Set by the run when the rendezvous store could not be reached for its whole timeout."""
     clock: Clock
     """The time the run's decisions are taken at (tests move it)."""
 

@@ -142,7 +142,7 @@ def misfit(node: Node, lr: int, error: str, rules: Rules) -> Result:
            "another program than the job's nodes (another model or optimizer, another "
            "version?)")
     refused = act("event", "node_refused", {"local_rank": lr,
-                                            "error": error.splitlines()[0][:200]})
+                                            "error": error.strip().partition("\n")[0][:200]})
     if rules.hosts_store and node.nodes > 1:
         moved, acts = fail(node, f"{why}; it serves the rendezvous store (is_host), without "
                                  "which the others cannot go on")
