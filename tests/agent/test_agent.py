@@ -211,8 +211,12 @@ def test_a_failing_node_serving_the_store_waits_for_the_others_and_a_signal_ends
     trigger = tmp_path / "fail"
     args = rdzv.args("2:2", 1, "--max-restarts", "0") + rdzv.worker(
         "--until", rdzv.stop_file, "--fail-rank", "0", "--fail-when", str(trigger))
+    args[args.index("--rdzv-conf") + 1] += ",read_timeout=3"  # (the other node, without it)
     nodes = rdzv.start(agents, 2, args)  # the first serves the store (rank 0)
     rdzv.running(2)
+    # past the 1 s connect grace, the other node's workers are known to run without the API: it
+    # waits for them after the close (within it, they might still be starting: it stops them)
+    time.sleep(1.5)
     trigger.touch()
     wait_for(lambda: "waiting up to 30 s for the other nodes to see that the run ended" in
              nodes[0].output(), 60, "the host's wait")
@@ -221,8 +225,8 @@ def test_a_failing_node_serving_the_store_waits_for_the_others_and_a_signal_ends
     assert nodes[0].wait(30) == 1, nodes[0].output()
     assert time.monotonic() - signalled < 10, nodes[0].output()  # not the wait's 30 s
     assert "rdzv run failed" in nodes[0].output(), nodes[0].output()
-    rdzv.stop()
-    nodes[1].wait(60)
+    rdzv.stop()  # the other node's workers end; it learns that the store went with the host
+    assert nodes[1].wait(60) == 1, nodes[1].output()
 
 
 def test_a_static_job_from_master_flags(agents: Any, tmp_path: Any) -> None:
